@@ -1,0 +1,285 @@
+"""Stage configs: one dataclass per stage, loaded from YAML, overridden from the CLI.
+
+``python distill.py --config configs/tiny.yaml train.lr=3e-4 draft.num_layers=2``
+
+Unknown keys and out-of-range values are errors that name the key. Each run directory records the
+resolved config (``config.yaml``) and its provenance (``run.json``: argv, git SHA, versions, seed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import subprocess
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, mistyped or out of range."""
+
+
+def _check(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclass
+class TargetConfig:
+    path: str = "smollm2-135m"  # embedded alias, a local HF folder, or a hub id already cached
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        _check(self.dtype in ("float32", "bfloat16"), "target.dtype", "must be float32 or bfloat16")
+
+
+@dataclass
+class DraftConfig:
+    # "fresh": random init sized below; "target_layers": copy target layers; "pretrained": load `path`.
+    init: str = "target_layers"
+    path: str = ""
+    layers: list[int] = field(default_factory=lambda: [0, 29])  # target layer indices ("target_layers")
+    num_layers: int = 4  # "fresh" only
+    hidden_size: int = 0  # 0 = the target's width; smaller projects the embedding (see models.py)
+    intermediate_size: int = 0  # 0 = scale the target's MLP ratio to hidden_size
+    num_attention_heads: int = 0  # 0 = hidden_size // target head_dim
+    num_key_value_heads: int = 0  # 0 = keep the target's GQA ratio
+    embedding: str = "copy"  # "copy" | "project" (narrower width via the top singular directions)
+
+    def __post_init__(self):
+        _check(self.init in ("fresh", "target_layers", "pretrained"), "draft.init",
+               "must be fresh, target_layers or pretrained")
+        _check(self.init != "pretrained" or bool(self.path), "draft.path", "required when draft.init=pretrained")
+        _check(self.embedding in ("copy", "project"), "draft.embedding", "must be copy or project")
+        _check(self.num_layers >= 1, "draft.num_layers", "must be >= 1")
+        _check(self.init != "target_layers" or len(self.layers) >= 1, "draft.layers", "needs at least one index")
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads"):
+            _check(getattr(self, name) >= 0, f"draft.{name}", "must be >= 0")
+
+
+@dataclass
+class DataConfig:
+    source: str = "sharegpt"  # "sharegpt" | "mtbench" | path to a .json/.jsonl of conversations
+    max_records: int = 0  # 0 = all
+    max_length: int = 512  # tokens per formatted conversation
+    heldout_fraction: float = 0.02
+    seed: int = 0
+
+    def __post_init__(self):
+        _check(self.max_records >= 0, "data.max_records", "must be >= 0")
+        _check(16 <= self.max_length <= 1 << 16, "data.max_length", "must be in [16, 65536]")
+        _check(0.0 <= self.heldout_fraction < 1.0, "data.heldout_fraction", "must be in [0, 1)")
+
+
+@dataclass
+class GenerateConfig:
+    """Target-generated responses ("same distribution" data) for distillation."""
+
+    num_prompts: int = 64
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 128
+    batch_size: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        _check(self.num_prompts >= 1, "generate.num_prompts", "must be >= 1")
+        _check(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
+        _check(self.max_prompt_tokens >= 1, "generate.max_prompt_tokens", "must be >= 1")
+        _check(self.batch_size >= 1, "generate.batch_size", "must be >= 1")
+        _check(self.temperature >= 0.0, "generate.temperature", "must be >= 0")
+        _check(0.0 < self.top_p <= 1.0, "generate.top_p", "must be in (0, 1]")
+
+
+@dataclass
+class DemoConfig:
+    """What ``make demo`` runs until the distillation stage lands."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    question_index: int = 0
+    max_new_tokens: int = 96
+    output_dir: str = "runs/demo"
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _is_dataclass_type(tp) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _coerce(value, tp, key: str):
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if origin is list:
+        (item_type,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            # YAML turns `path=123` into an int; a string field wants the text back.
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return str(value)
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported field type {tp!r}")
+
+
+def from_dict(cls, data: dict, prefix: str = ""):
+    """Build dataclass ``cls`` from a nested dict; unknown keys are errors naming the full key."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown config key '{prefix}{unknown[0]}' (known keys: {', '.join(sorted(fields))})"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        tp = hints[name]
+        key = f"{prefix}{name}"
+        kwargs[name] = from_dict(tp, value, f"{key}.") if _is_dataclass_type(tp) else _coerce(value, tp, key)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{prefix}{e}" if prefix and not str(e).startswith(prefix) else str(e)) from None
+
+
+def _set_nested(data: dict, dotted: str, value) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """``["train.lr=1e-3", "draft.layers=[0,29]"]`` -> nested dict; values parsed as YAML."""
+    data: dict = {}
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override '{item}' must look like key=value (e.g. train.lr=1e-3)")
+        key, raw = item.split("=", 1)
+        key = key.lstrip("-")
+        value = yaml.safe_load(raw) if raw != "" else ""
+        _set_nested(data, key, value)
+    return data
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(cls, path: str | Path | None = None, overrides: list[str] | None = None):
+    data: dict = {}
+    if path:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    data = _merge(data, parse_overrides(overrides or []))
+    return from_dict(cls, data)
+
+
+def to_dict(config) -> dict:
+    return dataclasses.asdict(config)
+
+
+# ---------------------------------------------------------------- provenance
+
+PROVENANCE_PACKAGES = ("torch", "transformers", "datasets", "accelerate", "peft", "evaluate", "specdistill")
+
+
+def git_sha() -> str:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=5)
+        if sha.returncode != 0:
+            return "unknown"
+        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def package_versions() -> dict:
+    versions = {"python": platform.python_version()}
+    for name in PROVENANCE_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def record_run(output_dir: str | Path, config, seed: int | None = None, extra: dict | None = None) -> Path:
+    """Write ``config.yaml`` and ``run.json`` into ``output_dir`` (created if needed)."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    run = {"argv": sys.argv, "git_sha": git_sha(), "versions": package_versions(), "seed": seed}
+    run.update(extra or {})
+    (out / "run.json").write_text(json.dumps(run, indent=2))
+    return out
+
+
+def cli_args(argv: list[str] | None = None, description: str = ""):
+    """``--config PATH`` plus free ``key=value`` overrides."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", default=None, help="YAML preset (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.lr=1e-3")
+    return parser.parse_args(argv)

@@ -1,0 +1,423 @@
+"""Data: ShareGPT (truncated-file recovery), chat formatting with assistant-only loss masks, MT-bench,
+and resumable target-generated responses (the default distillation data).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+
+logger = logging.getLogger(__name__)
+
+ROLE_MAP = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "assistant": "assistant",
+    "system": "system",
+}
+_WHITESPACE = " \t\r\n"
+
+
+class DataError(ValueError):
+    """Input data cannot be used at all (missing file, nothing recoverable)."""
+
+
+@dataclass
+class ShareGPTLoad:
+    records: list[dict]
+    skipped: Counter = field(default_factory=Counter)
+    truncated_at: int | None = None  # byte offset of the incomplete trailing record, if any
+    total_bytes: int = 0
+    complete: int = 0  # records decoded whole, usable or not
+    raw_turns: int = 0  # turns in those records, before normalisation
+
+    @property
+    def num_turns(self) -> int:
+        return sum(len(r["messages"]) for r in self.records)
+
+    def summary(self) -> str:
+        parts = [f"{self.complete:,} complete records ({self.raw_turns:,} turns) recovered",
+                 f"{len(self.records):,} usable conversations"]
+        if self.skipped:
+            parts.append("skipped " + ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items())))
+        if self.truncated_at is not None:
+            parts.append(f"file truncated at byte {self.truncated_at:,} of {self.total_bytes:,}")
+        return "; ".join(parts)
+
+
+def _scan_object_end(text: str, start: int) -> int | None:
+    """End index (exclusive) of the brace-balanced object at ``start``, string-aware; None if EOF first."""
+    depth, in_string, escape = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _normalise(record) -> tuple[dict | None, str | None]:
+    """ShareGPT record -> {"id", "messages": [{"role", "content"}]} or (None, reason)."""
+    if not isinstance(record, dict):
+        return None, "not an object"
+    turns = record.get("conversations", record.get("messages"))
+    if not isinstance(turns, list):
+        return None, "no conversations list"
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return None, "turn is not an object"
+        role = ROLE_MAP.get(str(turn.get("from", turn.get("role", ""))).lower())
+        content = turn.get("value", turn.get("content"))
+        if role is None:
+            return None, "unknown role"
+        if not isinstance(content, str):
+            return None, "turn text is not a string"
+        messages.append({"role": role, "content": content})
+    # Conversations that open with the assistant (ShareGPT's split parts) start at the first user turn.
+    while messages and messages[0]["role"] == "assistant":
+        messages.pop(0)
+    if not any(m["role"] == "user" and m["content"].strip() for m in messages):
+        return None, "no user turn"
+    record_id = record.get("id", record.get("question_id"))
+    return {"id": str(record_id) if record_id is not None else "", "messages": messages}, None
+
+
+def parse_conversations(text: str) -> ShareGPTLoad:
+    """Decode a JSON array (or a stream / JSONL) of conversation records one object at a time.
+
+    A truncated tail is reported, not fatal; a malformed record in the middle is skipped and counted,
+    and decoding resumes after it, so no complete record is ever lost.
+    """
+    decoder = json.JSONDecoder()
+    result = ShareGPTLoad(records=[], total_bytes=len(text.encode("utf-8", errors="replace")))
+    pos, n = 0, len(text)
+    if text.startswith("\ufeff"):
+        pos = 1
+    while pos < n:
+        ch = text[pos]
+        if ch in _WHITESPACE or ch in ",[]":
+            pos += 1
+            continue
+        if ch != "{":
+            # Not the start of a record: skip to the next candidate.
+            nxt = text.find("{", pos)
+            result.skipped["stray text"] += 1
+            if nxt < 0:
+                break
+            pos = nxt
+            continue
+        try:
+            obj, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            end = _scan_object_end(text, pos)
+            if end is None:
+                result.truncated_at = len(text[:pos].encode("utf-8", errors="replace"))
+                break
+            result.skipped["invalid JSON"] += 1
+            pos = end
+            continue
+        result.complete += 1
+        if isinstance(obj, dict) and isinstance(obj.get("conversations"), list):
+            result.raw_turns += len(obj["conversations"])
+        record, reason = _normalise(obj)
+        if record is None:
+            result.skipped[reason] += 1
+        else:
+            if not record["id"]:
+                record["id"] = f"record-{len(result.records)}"
+            result.records.append(record)
+        pos = end
+    return result
+
+
+def load_sharegpt(path: str | Path | None = None, max_records: int = 0) -> ShareGPTLoad:
+    from .assets import sharegpt_path
+
+    path = Path(path) if path else sharegpt_path()
+    if not path.is_file():
+        raise DataError(f"conversation file {path} does not exist")
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    result = parse_conversations(text)
+    if result.truncated_at is not None:
+        warnings.warn(
+            f"{path.name} is truncated at byte {result.truncated_at:,}: recovered "
+            f"{result.complete:,} complete records before the break",
+            stacklevel=2,
+        )
+    if result.skipped:
+        warnings.warn(f"{path.name}: skipped unusable records: {dict(result.skipped)}", stacklevel=2)
+    if not result.records:
+        raise DataError(f"{path}: no usable conversation records ({result.summary()})")
+    if max_records:
+        result.records = result.records[:max_records]
+    return result
+
+
+def load_mtbench(path: str | Path | None = None) -> list[dict]:
+    """MT-bench questions: ``question_id``, ``category``, ``turns`` (two user turns)."""
+    from .assets import mtbench_path
+
+    path = Path(path) if path else mtbench_path()
+    questions = []
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{line_no}: invalid JSON ({e})") from None
+        if not isinstance(q.get("turns"), list) or not q["turns"]:
+            raise DataError(f"{path}:{line_no}: question without turns")
+        questions.append({"question_id": q["question_id"], "category": q.get("category", ""), "turns": q["turns"]})
+    return questions
+
+
+# ---------------------------------------------------------------- splitting and formatting
+
+
+def conversation_group(record_id: str) -> str:
+    """ShareGPT splits long chats into ``<id>_0``, ``<id>_1``...: keep the parts on one side of the split."""
+    base, sep, suffix = record_id.rpartition("_")
+    return base if sep and suffix.isdigit() else record_id
+
+
+def is_heldout(record_id: str, fraction: float, seed: int = 0) -> bool:
+    digest = hashlib.sha256(f"{seed}:{conversation_group(record_id)}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def split_records(records: list[dict], heldout_fraction: float, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    train, heldout = [], []
+    for r in records:
+        (heldout if is_heldout(r["id"], heldout_fraction, seed) else train).append(r)
+    return train, heldout
+
+
+def format_chat(tokenizer, messages: list[dict], max_length: int) -> dict | None:
+    """Tokenise a chat with the tokenizer's template; ``loss_mask`` marks assistant tokens only.
+
+    Assistant spans are found by rendering growing prefixes of the chat (a template renders each prefix
+    as a prefix of the whole), then mapped to tokens through the offset mapping. Each span covers the
+    reply and its end-of-turn token, which the draft must learn to predict.
+    """
+    spans = []
+    rendered_prev = None
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)
+        upto = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
+        if not upto.startswith(before):
+            raise DataError("the chat template does not render prefixes consistently; cannot build loss masks")
+        spans.append((len(before), len(upto.rstrip())))
+        rendered_prev = upto
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    if rendered_prev is not None and not full.startswith(rendered_prev):
+        raise DataError("the chat template does not render prefixes consistently; cannot build loss masks")
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, truncation=True,
+                    max_length=max_length)
+    input_ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    mask = [0] * len(input_ids)
+    for i, (start, end) in enumerate(offsets):
+        for s, e in spans:
+            if start >= s and end <= e and end > start:
+                mask[i] = 1
+                break
+    if not any(mask):
+        return None
+    return {"input_ids": input_ids, "loss_mask": mask}
+
+
+def _tokenizer_key(tokenizer) -> str:
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items())[:2000]) + str(len(tokenizer))
+    template = tokenizer.chat_template or ""
+    return hashlib.sha256((vocab + template).encode()).hexdigest()[:16]
+
+
+def build_chat_dataset(tokenizer, records: list[dict], max_length: int, cache_root: Path | None = None,
+                       name: str = "chats") -> datasets.Dataset:
+    """Formatted, masked conversations as an Arrow dataset cached by tokenizer, records and settings."""
+    from .assets import cache_dir
+
+    ids_digest = hashlib.sha256("\n".join(r["id"] for r in records).encode()).hexdigest()[:16]
+    key = f"{name}-{_tokenizer_key(tokenizer)}-{ids_digest}-L{max_length}"
+    out = Path(cache_root or cache_dir()) / "datasets" / key
+    if (out / "dataset_info.json").is_file():
+        return datasets.load_from_disk(str(out))
+    # Characters beyond ~8 per token cannot survive the token cap; cutting them first saves tokeniser time.
+    char_budget = max_length * 8
+
+    def rows():
+        for r in records:
+            messages, used = [], 0
+            for m in r["messages"]:
+                messages.append(m)
+                used += len(m["content"])
+                if used > char_budget:
+                    break
+            item = format_chat(tokenizer, messages, max_length)
+            if item is not None:
+                yield {"id": r["id"], **item}
+
+    ds = datasets.Dataset.from_generator(rows, features=datasets.Features({
+        "id": datasets.Value("string"),
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+    }), cache_dir=str(Path(cache_root or cache_dir()) / "hf-datasets"))
+    from .assets import atomic_write_dir
+
+    atomic_write_dir(out, lambda tmp: ds.save_to_disk(str(tmp)))
+    return datasets.load_from_disk(str(out))
+
+
+def prompt_messages(record: dict) -> list[dict]:
+    """The chat up to and including the first user turn: what the target is asked to answer."""
+    messages = []
+    for m in record["messages"]:
+        messages.append(m)
+        if m["role"] == "user":
+            break
+    return messages
+
+
+# ---------------------------------------------------------------- target-generated data
+
+GENERATED_FEATURES = datasets.Features({
+    "prompt_id": datasets.Value("string"),
+    "prompt_ids": datasets.Sequence(datasets.Value("int32")),
+    "response_ids": datasets.Sequence(datasets.Value("int32")),
+    "finished": datasets.Value("bool"),
+})
+
+
+def _shards(out_dir: Path) -> list[Path]:
+    return sorted(p for p in out_dir.glob("shard-*") if (p / "dataset_info.json").is_file())
+
+
+def load_generated(out_dir: str | Path) -> datasets.Dataset:
+    out_dir = Path(out_dir)
+    shards = _shards(out_dir)
+    if not shards:
+        raise DataError(f"{out_dir}: no generated shards yet")
+    return datasets.concatenate_datasets([datasets.load_from_disk(str(s)) for s in shards])
+
+
+def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], out_dir: str | Path,
+                       max_prompt_tokens: int, max_new_tokens: int, batch_size: int, temperature: float = 0.0,
+                       top_p: float = 1.0, seed: int = 0, max_batches: int | None = None) -> datasets.Dataset:
+    """Generate the target's own replies to ``prompts`` (``(id, messages)``) into Arrow shards.
+
+    Each finished batch is one shard, written atomically, so a killed run resumes and redoes at most
+    the batch in flight. Prompts are sorted by length (less padding); a shard's seed depends only on its
+    index, so a resumed run samples exactly what an uninterrupted one would.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = {"max_prompt_tokens": max_prompt_tokens, "max_new_tokens": max_new_tokens,
+                "batch_size": batch_size, "temperature": temperature, "top_p": top_p, "seed": seed,
+                "prompt_ids": hashlib.sha256("\n".join(p[0] for p in prompts).encode()).hexdigest()[:16]}
+    meta_path = out_dir / "settings.json"
+    if meta_path.is_file():
+        previous = json.loads(meta_path.read_text())
+        if previous != settings:
+            raise DataError(f"{out_dir} holds data generated with other settings {previous}; "
+                            f"use another output folder or delete it")
+    else:
+        meta_path.write_text(json.dumps(settings, indent=2))
+
+    encoded = []
+    for prompt_id, messages in prompts:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        if len(ids) > max_prompt_tokens:
+            continue  # a cut prompt would lose its generation header: skip rather than corrupt it
+        encoded.append((prompt_id, list(ids)))
+    encoded.sort(key=lambda item: (len(item[1]), item[0]))
+    batches = [encoded[i: i + batch_size] for i in range(0, len(encoded), batch_size)]
+    if max_batches is not None:
+        batches = batches[:max_batches]
+    done = {int(p.name.split("-")[1]) for p in _shards(out_dir)}
+    for stale in out_dir.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids = _eos_ids(model, tokenizer)
+    device = next(model.parameters()).device
+    todo = [i for i in range(len(batches)) if i not in done]
+    bar = tqdm(todo, desc="target generation", unit="batch", initial=0, total=len(todo))
+    for index in bar:
+        batch = batches[index]
+        width = max(len(ids) for _, ids in batch)
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, (_, ids) in enumerate(batch):  # left padding keeps every row's last token aligned
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention[row, width - len(ids):] = 1
+        torch.manual_seed(seed * 1_000_003 + index)
+        kwargs = {"do_sample": temperature > 0, "max_new_tokens": max_new_tokens, "pad_token_id": pad_id,
+                  "eos_token_id": eos_ids}
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs)
+        rows = []
+        for row, (prompt_id, ids) in enumerate(batch):
+            response = out[row, width:].tolist()
+            finished = False
+            for j, tok in enumerate(response):
+                if tok in eos_ids:
+                    response, finished = response[: j + 1], True
+                    break
+            rows.append({"prompt_id": prompt_id, "prompt_ids": ids, "response_ids": response, "finished": finished})
+        shard = datasets.Dataset.from_list(rows, features=GENERATED_FEATURES)
+        from .assets import atomic_write_dir
+
+        atomic_write_dir(out_dir / f"shard-{index:05d}", lambda tmp: shard.save_to_disk(str(tmp)))
+        bar.set_postfix(tokens=sum(len(r["response_ids"]) for r in rows))
+    return load_generated(out_dir)
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return sorted(ids)
+
+
+def generated_to_training(ds: datasets.Dataset) -> datasets.Dataset:
+    """Generated rows -> ``input_ids`` (prompt + reply) and ``loss_mask`` (reply tokens only)."""
+    def convert(row):
+        return {"id": row["prompt_id"], "input_ids": row["prompt_ids"] + row["response_ids"],
+                "loss_mask": [0] * len(row["prompt_ids"]) + [1] * len(row["response_ids"])}
+
+    return ds.map(convert, remove_columns=ds.column_names, desc="pack generated data")
+

@@ -1,0 +1,217 @@
+"""Target loading, draft construction, parameter accounting and the target/draft pair check."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .assets import resolve_model_path
+from .config import DraftConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class PairMismatchError(ValueError):
+    """Target and draft cannot be used together: their tokenizers or vocabularies differ."""
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(path))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str, dtype: str = "float32", trainable: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=DTYPES[dtype])
+    if not trainable:
+        model.eval()
+        model.requires_grad_(False)
+    return model
+
+
+# ---------------------------------------------------------------- accounting
+
+
+@dataclass
+class ParamCount:
+    total: int
+    embedding: int
+
+    @property
+    def non_embedding(self) -> int:
+        return self.total - self.embedding
+
+
+def count_params(model: nn.Module) -> ParamCount:
+    """Unique parameters (tied weights once); embedding = input embedding plus an untied LM head."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel()
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    embedding = emb.numel()
+    if head is not None and head.weight.data_ptr() != emb.data_ptr():
+        embedding += head.weight.numel()
+    return ParamCount(total=total, embedding=embedding)
+
+
+def size_report(draft: nn.Module, target: nn.Module) -> dict:
+    d, t = count_params(draft), count_params(target)
+    return {
+        "draft_params": d.total, "draft_non_embedding": d.non_embedding,
+        "target_params": t.total, "target_non_embedding": t.non_embedding,
+        "ratio_total": d.total / t.total,
+        "ratio_non_embedding": d.non_embedding / max(t.non_embedding, 1),
+    }
+
+
+# ---------------------------------------------------------------- pair check
+
+
+def _special_ids(tokenizer) -> dict:
+    return {"bos": tokenizer.bos_token_id, "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id}
+
+
+def check_pair(target_tokenizer, draft_tokenizer, target_config=None, draft_config=None) -> None:
+    """Fail before any compute if target and draft do not share one tokenizer and vocabulary."""
+    if target_config is not None and draft_config is not None:
+        if target_config.vocab_size != draft_config.vocab_size:
+            raise PairMismatchError(
+                f"vocab size mismatch: target config has vocab_size={target_config.vocab_size}, "
+                f"draft config has vocab_size={draft_config.vocab_size}"
+            )
+    t_vocab, d_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if len(t_vocab) != len(d_vocab):
+        raise PairMismatchError(f"tokenizer size mismatch: target has {len(t_vocab)} tokens, draft has {len(d_vocab)}")
+    for token, index in sorted(t_vocab.items(), key=lambda kv: kv[1]):
+        if d_vocab.get(token) != index:
+            raise PairMismatchError(
+                f"token->id mismatch: target maps {token!r} to {index}, draft maps it to {d_vocab.get(token)}"
+            )
+    t_special, d_special = _special_ids(target_tokenizer), _special_ids(draft_tokenizer)
+    for name in t_special:
+        if t_special[name] != d_special[name]:
+            raise PairMismatchError(
+                f"special token mismatch: target {name}_token_id={t_special[name]}, draft {name}_token_id={d_special[name]}"
+            )
+
+
+# ---------------------------------------------------------------- draft builder
+
+
+def _embedding_basis(target, width: int) -> torch.Tensor:
+    """Orthonormal d×r basis of the embedding's top-r right singular directions (residual subspace)."""
+    weight = target.get_input_embeddings().weight.detach().float()
+    _, _, vh = torch.linalg.svd(weight, full_matrices=False)
+    return vh[:width].T.contiguous()
+
+
+def _draft_config(target_config, cfg: DraftConfig, num_layers: int):
+    config = copy.deepcopy(target_config)
+    width = cfg.hidden_size or target_config.hidden_size
+    head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
+    config.num_hidden_layers = num_layers
+    config.hidden_size = width
+    if cfg.init == "target_layers":
+        # Copied layers keep their heads and MLP; only the residual width may shrink.
+        config.head_dim = head_dim
+        config.intermediate_size = cfg.intermediate_size or target_config.intermediate_size
+        return config
+    heads = cfg.num_attention_heads or max(1, width // head_dim)
+    gqa = max(1, target_config.num_attention_heads // target_config.num_key_value_heads)
+    config.num_attention_heads = heads
+    config.num_key_value_heads = cfg.num_key_value_heads or max(1, heads // gqa)
+    config.head_dim = head_dim
+    ratio = target_config.intermediate_size / target_config.hidden_size
+    config.intermediate_size = cfg.intermediate_size or int(round(width * ratio / 64) * 64)
+    if hasattr(config, "layer_types") and config.layer_types is not None:
+        config.layer_types = config.layer_types[:num_layers]
+    return config
+
+
+def build_draft(target, cfg: DraftConfig):
+    """A draft model per ``cfg``: fresh, from target layers (optionally projected narrower), or pretrained.
+
+    Narrow drafts project the residual stream onto the top singular directions P (d×r) of the target's
+    embedding: embedding E·P (tied, so the LM head follows), input-side weights W·diag(g)·P with the
+    RMSNorm gain g folded in, output-side weights Pᵀ·W.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if cfg.init == "pretrained":
+        return AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.path), dtype=torch.float32)
+    tc = target.config
+    if cfg.init == "target_layers":
+        bad = [i for i in cfg.layers if not 0 <= i < tc.num_hidden_layers]
+        if bad:
+            raise ValueError(f"draft.layers {bad} out of range for a target with {tc.num_hidden_layers} layers")
+    num_layers = len(cfg.layers) if cfg.init == "target_layers" else cfg.num_layers
+    config = _draft_config(tc, cfg, num_layers)
+    if hasattr(config, "layer_types") and getattr(config, "layer_types", None) is not None:
+        config.layer_types = [tc.layer_types[i] for i in cfg.layers] if cfg.init == "target_layers" else config.layer_types
+    torch.manual_seed(0)
+    draft = type(target)(config).to(torch.float32)
+    width, full = config.hidden_size, tc.hidden_size
+    narrow = width < full
+    if width > full:
+        raise ValueError(f"draft.hidden_size={width} exceeds the target's {full}")
+    if narrow and cfg.embedding != "project":
+        raise ValueError(f"draft.hidden_size={width} < target {full} needs draft.embedding=project")
+    basis = _embedding_basis(target, width) if narrow else None
+
+    with torch.no_grad():
+        emb = target.get_input_embeddings().weight.detach().float()
+        draft.get_input_embeddings().weight.copy_(emb @ basis if narrow else emb)
+        if not config.tie_word_embeddings:
+            head = target.get_output_embeddings().weight.detach().float()
+            draft.get_output_embeddings().weight.copy_(head @ basis if narrow else head)
+        final_gain = target.model.norm.weight.detach().float()
+        # diag(Pᵀ diag(g) P): the best per-channel gain in the projected basis.
+        draft.model.norm.weight.copy_(((basis * final_gain[:, None]) * basis).sum(0) if narrow else final_gain)
+        if cfg.init == "target_layers":
+            for new_layer, index in zip(draft.model.layers, cfg.layers):
+                _copy_layer(target.model.layers[index], new_layer, basis)
+    return draft
+
+
+def _copy_layer(src, dst, basis: torch.Tensor | None) -> None:
+    if basis is None:
+        dst.load_state_dict({k: v.float() for k, v in src.state_dict().items()})
+        return
+    in_gain = src.input_layernorm.weight.detach().float()
+    post_gain = src.post_attention_layernorm.weight.detach().float()
+    attn_in = basis * in_gain[:, None]  # diag(g)·P, folded into the weights that read the residual
+    mlp_in = basis * post_gain[:, None]
+    s_attn, d_attn = src.self_attn, dst.self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(d_attn, name).weight.copy_(getattr(s_attn, name).weight.float() @ attn_in)
+    d_attn.o_proj.weight.copy_(basis.T @ s_attn.o_proj.weight.float())
+    s_mlp, d_mlp = src.mlp, dst.mlp
+    keep = _top_neurons(s_mlp, d_mlp.gate_proj.weight.shape[0])
+    d_mlp.gate_proj.weight.copy_(s_mlp.gate_proj.weight.float()[keep] @ mlp_in)
+    d_mlp.up_proj.weight.copy_(s_mlp.up_proj.weight.float()[keep] @ mlp_in)
+    d_mlp.down_proj.weight.copy_(basis.T @ s_mlp.down_proj.weight.float()[:, keep])
+    dst.input_layernorm.weight.fill_(1.0)
+    dst.post_attention_layernorm.weight.fill_(1.0)
+    for name in ("q_norm", "k_norm"):  # architectures with QK-norm keep theirs (head space is unchanged)
+        if hasattr(s_attn, name):
+            getattr(d_attn, name).load_state_dict(getattr(s_attn, name).state_dict())
+
+
+def _top_neurons(src_mlp, count: int) -> torch.Tensor:
+    """Indices of the ``count`` MLP neurons with the largest up×down weight norms, in original order."""
+    total = src_mlp.gate_proj.weight.shape[0]
+    if count >= total:
+        return torch.arange(total)
+    score = src_mlp.up_proj.weight.float().norm(dim=1) * src_mlp.down_proj.weight.float().norm(dim=0)
+    return score.topk(count).indices.sort().values
