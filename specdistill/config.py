@@ -111,6 +111,9 @@ class DemoConfig:
     output_dir: str = "runs/demo"
 
 
+# Entry script -> its config class; a preset's header comment names the script that runs it.
+STAGES = {"demo.py": DemoConfig, "make demo": DemoConfig}
+
 # ---------------------------------------------------------------- loading
 
 

@@ -1,0 +1,70 @@
+import json
+
+import pytest
+import yaml
+
+from specdistill.config import ConfigError, DemoConfig, DraftConfig, load_config, parse_overrides, record_run
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("draft:\n  init: fresh\n  num_layers: 3\nmax_new_tokens: 10\n")
+    cfg = load_config(DemoConfig, path, ["draft.num_layers=5", "target.dtype=float32", "draft.layers=[1,2]"])
+    assert cfg.draft.num_layers == 5
+    assert cfg.draft.init == "fresh"
+    assert cfg.target.dtype == "float32"
+    assert cfg.draft.layers == [1, 2]
+    assert cfg.max_new_tokens == 10
+
+
+def test_unknown_key_names_full_key(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'draft.num_layer'"):
+        load_config(DemoConfig, None, ["draft.num_layer=2"])
+    path = tmp_path / "c.yaml"
+    path.write_text("bogus: 1\n")
+    with pytest.raises(ConfigError, match="unknown config key 'bogus'"):
+        load_config(DemoConfig, path)
+
+
+def test_out_of_range_and_type_errors_name_key():
+    with pytest.raises(ConfigError, match="target.dtype"):
+        load_config(DemoConfig, None, ["target.dtype=float16"])
+    with pytest.raises(ConfigError, match="draft.num_layers"):
+        load_config(DemoConfig, None, ["draft.num_layers=0"])
+    with pytest.raises(ConfigError, match="draft.num_layers: expected an integer"):
+        load_config(DemoConfig, None, ["draft.num_layers=two"])
+    with pytest.raises(ConfigError, match="data.heldout_fraction"):
+        load_config(DemoConfig, None, ["data.heldout_fraction=1.5"])
+    with pytest.raises(ConfigError, match="draft.path"):
+        DraftConfig(init="pretrained")
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_overrides(["draft.num_layers"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(DemoConfig, tmp_path / "missing.yaml")
+
+
+def test_record_run_writes_config_and_provenance(tmp_path):
+    cfg = load_config(DemoConfig, None, ["max_new_tokens=7"])
+    out = record_run(tmp_path / "run", cfg, seed=3)
+    assert yaml.safe_load((out / "config.yaml").read_text())["max_new_tokens"] == 7
+    run = json.loads((out / "run.json").read_text())
+    assert run["seed"] == 3 and run["git_sha"] and run["versions"]["torch"]
+    assert isinstance(run["argv"], list)
+
+
+def test_every_config_file_loads():
+    from pathlib import Path
+
+    from specdistill import config as config_module
+
+    presets = sorted(Path(__file__).resolve().parent.parent.joinpath("configs").glob("*.yaml"))
+    assert presets, "no presets found"
+    for preset in presets:
+        assert preset.read_text().startswith("#"), f"{preset} must start with its launch command"
+        header = preset.read_text().splitlines()[0]
+        scripts = [name for name in config_module.STAGES if name in header]
+        assert scripts, f"{preset}: header names no entry script ({', '.join(config_module.STAGES)})"
+        load_config(config_module.STAGES[scripts[0]], preset)

@@ -1,0 +1,151 @@
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specdistill.data import (
+    DataError, format_chat, generate_responses, is_heldout, load_generated, load_sharegpt, parse_conversations,
+    split_records,
+)
+
+text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
+turn = st.fixed_dictionaries({"from": st.sampled_from(["human", "gpt"]), "value": text})
+record = st.fixed_dictionaries({
+    "id": st.text(alphabet="abcdefXYZ0123456789_", min_size=1, max_size=10),
+    "conversations": st.lists(turn, min_size=0, max_size=4),
+})
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(records=st.lists(record, max_size=8), cut=st.floats(0, 1), indent=st.sampled_from([None, 2]))
+def test_truncated_file_keeps_every_complete_record(records, cut, indent):
+    full = json.dumps(records, indent=indent, ensure_ascii=False)
+    at = int(len(full) * cut)
+    truncated = full[:at]
+    result = parse_conversations(truncated)
+    # Every record whose serialisation ends before the cut must be recovered (usable or counted as skipped).
+    complete = 0
+    for i in range(len(records)):
+        prefix = json.dumps(records[: i + 1], indent=indent, ensure_ascii=False)
+        closing = prefix.rstrip("]").rstrip()
+        if len(closing) <= at:
+            complete += 1
+    assert result.complete == complete
+    assert len(result.records) + sum(result.skipped.values()) - result.skipped.get("stray text", 0) >= complete
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=300))
+def test_arbitrary_text_never_crashes(garbage):
+    result = parse_conversations(garbage)
+    assert result.complete >= len(result.records)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_file_never_crashes(tmp_path_factory, blob):
+    path = tmp_path_factory.mktemp("blob") / "data.json"
+    path.write_bytes(blob)
+    try:
+        load_sharegpt(path)
+    except DataError:
+        pass  # nothing usable is a clear error, not a crash
+
+
+def test_malformed_record_in_middle_is_skipped_and_neighbours_kept():
+    good = '{"id": "a", "conversations": [{"from": "human", "value": "hi"}]}'
+    bad = '{"id": "b", "conversations": [{"from": "human", "value": tru}]}'
+    wrong_role = '{"id": "c", "conversations": [{"from": "robot", "value": "x"}]}'
+    other = good.replace('"id": "a"', '"id": "d"')
+    result = parse_conversations(f"[{good},\n{bad},\n{wrong_role},\n{other}]")
+    assert [r["id"] for r in result.records] == ["a", "d"]
+    assert result.skipped["invalid JSON"] == 1
+    assert result.skipped["unknown role"] == 1
+    assert result.truncated_at is None
+
+
+def test_empty_and_missing_files(tmp_path):
+    empty = tmp_path / "empty.json"
+    empty.write_text("")
+    with pytest.raises(DataError, match="no usable"):
+        load_sharegpt(empty)
+    with pytest.raises(DataError, match="does not exist"):
+        load_sharegpt(tmp_path / "nope.json")
+
+
+def test_truncation_warns_with_count_and_offset(tmp_path):
+    records = [{"id": f"r{i}", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+               for i in range(5)]
+    blob = json.dumps(records)
+    path = tmp_path / "cut.json"
+    path.write_text(blob[: len(blob) - 10])
+    with pytest.warns(UserWarning, match=r"truncated at byte [\d,]+: recovered 4 complete records"):
+        result = load_sharegpt(path)
+    assert len(result.records) == 4
+
+
+def test_split_is_deterministic_and_keeps_parts_together():
+    records = [{"id": f"conv{i}_{part}", "messages": []} for i in range(200) for part in range(3)]
+    train, held = split_records(records, 0.2, seed=1)
+    assert split_records(records, 0.2, seed=1) == (train, held)
+    held_groups = {r["id"].rsplit("_", 1)[0] for r in held}
+    assert held_groups and not held_groups & {r["id"].rsplit("_", 1)[0] for r in train}
+    assert 0.1 < len(held) / len(records) < 0.3
+    assert is_heldout("x_1", 0.5, 0) == is_heldout("x_2", 0.5, 0)
+
+
+def test_multi_turn_loss_mask_covers_assistant_tokens_only(tiny_tokenizer):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And the sea?"},
+        {"role": "assistant", "content": "The sea is blue."},
+    ]
+    item = format_chat(tiny_tokenizer, messages, max_length=512)
+    ids, mask = item["input_ids"], item["loss_mask"]
+    assert len(ids) == len(mask)
+    masked_text = tiny_tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert masked_text == "Paris.<|im_end|>The sea is blue.<|im_end|>"
+    unmasked = tiny_tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    assert "capital of France" in unmasked and "Paris" not in unmasked
+    # Truncation keeps masks aligned with the kept tokens.
+    short = format_chat(tiny_tokenizer, messages, max_length=len(ids) - 3)
+    assert short["loss_mask"] == mask[: len(ids) - 3]
+
+
+def test_chat_without_assistant_turn_gives_none(tiny_tokenizer):
+    assert format_chat(tiny_tokenizer, [{"role": "user", "content": "hi"}], 64) is None
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_generation_resumes_without_duplicates_or_gaps(tmp_path, tiny_tokenizer, tiny_target, monkeypatch):
+    prompts = [(f"p{i}", [{"role": "user", "content": "word " * (i % 5 + 1)}]) for i in range(10)]
+    kwargs = dict(max_prompt_tokens=64, max_new_tokens=6, batch_size=3, temperature=1.0, seed=7)
+    reference = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "ref", **kwargs)
+
+    calls = {"n": 0}
+    original = tiny_target.generate
+
+    def dying_generate(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise Interrupt("killed")
+        return original(*args, **kw)
+
+    monkeypatch.setattr(tiny_target, "generate", dying_generate)
+    with pytest.raises(Interrupt):
+        generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "run", **kwargs)
+    assert len(load_generated(tmp_path / "run")) == 6  # two complete batches survived
+    monkeypatch.setattr(tiny_target, "generate", original)
+    resumed = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "run", **kwargs)
+    ids = sorted(resumed["prompt_id"])
+    assert ids == sorted(p[0] for p in prompts)
+    assert sorted(zip(resumed["prompt_id"], map(tuple, resumed["response_ids"]))) == \
+        sorted(zip(reference["prompt_id"], map(tuple, reference["response_ids"])))
+    with pytest.raises(DataError, match="other settings"):
+        generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "run", **{**kwargs, "seed": 8})
