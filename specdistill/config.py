@@ -100,19 +100,95 @@ class GenerateConfig:
 
 
 @dataclass
-class DemoConfig:
-    """What ``make demo`` runs until the distillation stage lands."""
+class TrainConfig:
+    objective: str = "distill"  # "distill" (target logits) | "ce" (next-token CE on the same data: the SFT baseline)
+    loss: str = "fkl"  # fkl | rkl | jsd | tvd
+    beta: float = 0.5  # jsd interpolation: 0 = FKL, 1 = RKL
+    temperature: float = 1.0
+    ce_weight: float = 0.0  # mix of next-token CE into the distillation loss
+    data_mode: str = "generated"  # fixed (ShareGPT replies) | generated (target's own) | onpolicy | cache
+    onpolicy_fraction: float = 0.25  # share of batches whose replies are sampled from the current draft
+    onpolicy_new_tokens: int = 64
+    teacher_top_k: int = 0  # 0 = full vocabulary; k keeps the teacher's top-k plus one tail bucket
+    cache_top_k: int = 64  # top-k stored by the offline teacher cache (data_mode=cache)
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    max_steps: int = 200
+    max_minutes: float = 0.0  # 0 = no time limit; otherwise stop (and save) after this many minutes
+    stop_at_step: int = 0  # >0: stop and save here while keeping max_steps' schedule (staged runs)
+    batch_size: int = 8
+    grad_accum: int = 1
+    seq_len: int = 256
+    grad_clip: float = 1.0
+    bf16: bool = True  # autocast the draft's forward in bf16 where the device supports it
+    freeze_embedding: bool = False
+    lora_r: int = 0  # >0 trains LoRA adapters (peft) instead of all weights, merged on save
+    lora_alpha: int = 16
+    eval_every: int = 50
+    eval_prompts: int = 40  # MT-bench turn-1 prompts held out for acceptance during training
+    eval_new_tokens: int = 96
+    save_every: int = 100
+    keep_last: int = 2
+    max_nonfinite: int = 5  # consecutive non-finite losses before aborting
+    inject_nan_steps: list[int] = field(default_factory=list)  # test hook: poison the loss at these steps
+    chunk_size: int = 1024
+    seed: int = 0
+
+    def __post_init__(self):
+        _check(self.objective in ("distill", "ce"), "train.objective", "must be distill or ce")
+        _check(self.loss in ("fkl", "rkl", "jsd", "tvd"), "train.loss", "must be fkl, rkl, jsd or tvd")
+        _check(0.0 <= self.beta <= 1.0, "train.beta", "must be in [0, 1]")
+        _check(self.temperature > 0, "train.temperature", "must be > 0")
+        _check(0.0 <= self.ce_weight <= 1.0, "train.ce_weight", "must be in [0, 1]")
+        _check(self.data_mode in ("fixed", "generated", "onpolicy", "cache"), "train.data_mode",
+               "must be fixed, generated, onpolicy or cache")
+        _check(0.0 <= self.onpolicy_fraction <= 1.0, "train.onpolicy_fraction", "must be in [0, 1]")
+        _check(self.lr > 0, "train.lr", "must be > 0")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
+        for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "eval_every", "save_every", "keep_last",
+                     "max_nonfinite", "chunk_size"):
+            _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
+        for name in ("warmup_steps", "stop_at_step", "teacher_top_k", "lora_r", "eval_prompts", "max_minutes"):
+            _check(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
+        _check(self.cache_top_k >= 1, "train.cache_top_k", "must be >= 1")
+        _check(self.data_mode != "cache" or self.temperature == 1.0, "train.temperature",
+               "the offline cache stores T=1 log-probabilities: use temperature 1")
+
+
+@dataclass
+class DistillConfig:
+    """``distill.py`` / ``train.py``: one training loop, two objectives."""
 
     target: TargetConfig = field(default_factory=TargetConfig)
-    data: DataConfig = field(default_factory=DataConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output_dir: str = "runs/distill"
+
+
+@dataclass
+class DemoConfig:
+    """``make demo``: distil with a preset, evaluate init vs distilled, decode one MT-bench prompt."""
+
+    distill_config: str = "configs/smollm2-135m-quick.yaml"
+    distill_overrides: list[str] = field(default_factory=list)
+    eval_prompts: int = 80
+    eval_new_tokens: int = 128
+    gammas: str = "1..8"
     question_index: int = 0
-    max_new_tokens: int = 96
+    decode_new_tokens: int = 128
     output_dir: str = "runs/demo"
+
+    def __post_init__(self):
+        _check(self.eval_prompts >= 1, "eval_prompts", "must be >= 1")
+        _check(self.decode_new_tokens >= 1, "decode_new_tokens", "must be >= 1")
 
 
 # Entry script -> its config class; a preset's header comment names the script that runs it.
-STAGES = {"demo.py": DemoConfig, "make demo": DemoConfig}
+STAGES = {"demo.py": DemoConfig, "make demo": DemoConfig, "distill.py": DistillConfig, "train.py": DistillConfig}
 
 # ---------------------------------------------------------------- loading
 
@@ -237,7 +313,7 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] | None
 
 
 def to_dict(config) -> dict:
-    return dataclasses.asdict(config)
+    return dict(config) if isinstance(config, dict) else dataclasses.asdict(config)
 
 
 # ---------------------------------------------------------------- provenance

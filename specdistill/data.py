@@ -421,3 +421,51 @@ def generated_to_training(ds: datasets.Dataset) -> datasets.Dataset:
 
     return ds.map(convert, remove_columns=ds.column_names, desc="pack generated data")
 
+
+
+def sharegpt_prompts(records: list[dict], num_prompts: int, max_chars: int, seed: int = 0) -> list[tuple[str, list]]:
+    """First-turn prompts from ShareGPT records, shuffled deterministically, short enough to keep whole."""
+    import random
+
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    prompts = []
+    for i in order:
+        messages = prompt_messages(records[i])
+        if messages[-1]["role"] == "user" and 0 < sum(len(m["content"]) for m in messages) <= max_chars:
+            prompts.append((records[i]["id"], messages))
+            if len(prompts) == num_prompts:
+                break
+    return prompts
+
+
+def generated_dir(target_path: str, gen, data, split: str = "train") -> Path:
+    """Cache folder for target-generated data, keyed by target, source data and generation settings."""
+    from .assets import cache_dir
+
+    key = json.dumps([target_path, split, data.source, data.heldout_fraction, data.seed, gen.num_prompts,
+                      gen.max_prompt_tokens, gen.max_new_tokens, gen.temperature, gen.top_p, gen.seed])
+    name = Path(target_path).name or "target"
+    return cache_dir() / "generated" / f"{name}-{split}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def target_generated_dataset(model, tokenizer, target_path: str, data, gen, records: list[dict] | None = None,
+                             split: str = "train") -> datasets.Dataset:
+    """The target's own replies to ShareGPT prompts from ``split``: generated once, then cached."""
+    if records is None:
+        loaded = load_conversations(data)
+        train, heldout = split_records(loaded, data.heldout_fraction, data.seed)
+        records = train if split == "train" else heldout
+    prompts = sharegpt_prompts(records, gen.num_prompts, max_chars=gen.max_prompt_tokens * 3, seed=gen.seed)
+    return generate_responses(model, tokenizer, prompts, generated_dir(target_path, gen, data, split),
+                              max_prompt_tokens=gen.max_prompt_tokens, max_new_tokens=gen.max_new_tokens,
+                              batch_size=gen.batch_size, temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed)
+
+
+def load_conversations(data) -> list[dict]:
+    """Records for ``data.source``: the embedded ShareGPT, MT-bench turn 1, or a local conversation file."""
+    if data.source == "mtbench":
+        return [{"id": f"mtbench-{q['question_id']}", "category": q["category"],
+                 "messages": [{"role": "user", "content": q["turns"][0]}]} for q in load_mtbench()]
+    path = None if data.source == "sharegpt" else data.source
+    return load_sharegpt(path, max_records=data.max_records).records

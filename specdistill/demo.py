@@ -1,68 +1,75 @@
-"""What ``make demo`` runs: the foundation check of the embedded default."""
+"""What ``make demo`` runs: the embedded default end to end.
+
+distil (quick preset, target-generated data cached after the first run) → acceptance of the draft at init
+vs distilled on MT-bench → a speculative decode of one MT-bench prompt against target-only decoding.
+"""
 
 from __future__ import annotations
 
 import json
-import time
-import warnings
 from pathlib import Path
 
 import torch
 
-from .config import DemoConfig, cli_args, load_config, record_run
-from .data import load_mtbench, load_sharegpt, split_records
-from .models import build_draft, check_pair, load_model, load_tokenizer, size_report
+from . import evaluation
+from .config import DemoConfig, DistillConfig, cli_args, load_config, record_run
+from .data import load_mtbench
+from .models import load_model, load_tokenizer
+from .speculative import SpeculativeGenerator, target_only_generate
+from .trainer import run as distill_run
 
 
 def main(argv: list[str] | None = None) -> int:
     args = cli_args(argv, description=__doc__)
     cfg = load_config(DemoConfig, args.config, args.overrides)
-    out = record_run(cfg.output_dir, cfg, seed=cfg.data.seed)
+    out = record_run(cfg.output_dir, cfg)
+    dcfg = load_config(DistillConfig, cfg.distill_config, [f"output_dir={out / 'distill'}", *cfg.distill_overrides])
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        sharegpt = load_sharegpt(max_records=cfg.data.max_records)
-    for w in caught:
-        print(f"warning: {w.message}")
-    train, heldout = split_records(sharegpt.records, cfg.data.heldout_fraction, cfg.data.seed)
-    print(f"ShareGPT: {sharegpt.summary()}")
-    print(f"  split by conversation: {len(train):,} train / {len(heldout):,} held out")
+    print(f"== 1/3 distil ({cfg.distill_config})")
+    trained = distill_run(dcfg)
+    draft_dir = Path(dcfg.output_dir) / "draft"
 
-    questions = load_mtbench()
-    question = questions[cfg.question_index]
-    print(f"MT-bench: {len(questions)} questions, {len({q['category'] for q in questions})} categories")
+    print("== 2/3 acceptance on MT-bench: draft at init vs distilled")
+    d = dcfg.draft
+    init_spec = "init:fresh" if d.init == "fresh" else "init:layers=" + ",".join(map(str, d.layers))
+    eval_dir = out / "eval"
+    evaluation.main(["--target", dcfg.target.path, "--draft", init_spec, "--name", "init",
+                     "--draft", str(draft_dir), "--name", "distilled", "--prompts", "mtbench",
+                     "--num-prompts", str(cfg.eval_prompts), "--max-new-tokens", str(cfg.eval_new_tokens),
+                     "--gamma", cfg.gammas, "--output-dir", str(eval_dir)])
+    report = json.loads((eval_dir / "metrics.json").read_text())
+    best = report["drafts"]["distilled"]["best_gamma"]["0"]
 
-    t0 = time.perf_counter()
-    tokenizer = load_tokenizer(cfg.target.path)
-    target = load_model(cfg.target.path, cfg.target.dtype)
-    print(f"target {cfg.target.path} loaded in {time.perf_counter() - t0:.1f} s ({cfg.target.dtype})")
-
-    draft = build_draft(target.float() if cfg.target.dtype == "float32" else target, cfg.draft)
-    check_pair(tokenizer, tokenizer, target.config, draft.config)
-    sizes = size_report(draft, target)
-    print(f"default draft: {draft.config.num_hidden_layers} layers, width {draft.config.hidden_size}, "
-          f"{sizes['draft_params'] / 1e6:.1f}M params = {sizes['ratio_total']:.1%} of the target "
-          f"({sizes['ratio_non_embedding']:.1%} without embeddings)")
-
-    messages = [{"role": "user", "content": question["turns"][0]}]
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True)
-    t0 = time.perf_counter()
+    print(f"== 3/3 speculative decode of an MT-bench prompt (γ={best}, greedy, fp32)")
+    tokenizer = load_tokenizer(dcfg.target.path)
+    target = load_model(dcfg.target.path, "float32")
+    draft = load_model(str(draft_dir), "float32")
+    question = load_mtbench()[cfg.question_index]
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question["turns"][0]}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    gen = SpeculativeGenerator(target, draft, gamma=best)
     with torch.inference_mode():
-        output = target.generate(**inputs, max_new_tokens=cfg.max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)
-    new_tokens = output[0, inputs["input_ids"].shape[1]:]
-    seconds = time.perf_counter() - t0
-    reply = tokenizer.decode(new_tokens, skip_special_tokens=True)
-    print(f"\nMT-bench #{question['question_id']} ({question['category']}): {question['turns'][0]}\n")
-    print(f"target reply ({len(new_tokens)} tokens, {len(new_tokens) / seconds:.1f} tok/s):\n{reply}\n")
-    (Path(out) / "demo.json").write_text(json.dumps({
-        "sharegpt_complete_records": sharegpt.complete, "sharegpt_usable": len(sharegpt.records),
-        "sharegpt_truncated_at": sharegpt.truncated_at, "draft_size": sizes,
-        "question_id": question["question_id"], "reply": reply,
-        "reply_tokens_per_s": len(new_tokens) / seconds,
-    }, indent=2))
-    print("This is all the demo does so far: the foundation (assets, data, draft builder) works;\n"
-          "distillation, acceptance evaluation, speculative decoding and export are still to come.")
-    print(f"run folder: {out}")
+        ref = target_only_generate(target, prompt, cfg.decode_new_tokens, tokenizer.eos_token_id)
+        spec = gen.generate(prompt, cfg.decode_new_tokens, tokenizer.eos_token_id)
+    print(f"\n{question['turns'][0]}\n\n{tokenizer.decode(spec.tokens, skip_special_tokens=True)}\n")
+    speedup = spec.stats["tokens_per_s"] / ref.stats["tokens_per_s"]
+    rows = report["drafts"]
+    summary = {
+        "draft_ratio": rows["distilled"]["sizes"]["ratio_total"],
+        "alpha_greedy": {k: rows[k]["alpha"]["0"] for k in ("init", "distilled")},
+        "alpha_t1": {k: rows[k]["alpha"]["1"] for k in ("init", "distilled")},
+        "best_gamma": best, "tau_best_gamma": rows["distilled"]["tau"][f"0/{best}"],
+        "decode_tau": spec.stats["tau"], "measured_speedup": speedup,
+        "greedy_identical": spec.tokens == ref.tokens, "distill_steps": trained["steps"],
+        "distill_minutes": trained["elapsed_s"] / 60,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print("| | init | distilled |\n|---|---|---|")
+    print(f"| draft size (of target params) | {summary['draft_ratio']:.1%} | {summary['draft_ratio']:.1%} |")
+    print(f"| α greedy | {summary['alpha_greedy']['init']:.3f} | {summary['alpha_greedy']['distilled']:.3f} |")
+    print(f"| α T=1 | {summary['alpha_t1']['init']:.3f} | {summary['alpha_t1']['distilled']:.3f} |")
+    print(f"\nτ at best γ={best}: {summary['tau_best_gamma']:.2f}; measured decode speedup vs target-only "
+          f"(1 prompt, fp32): {speedup:.2f}× (greedy identical: {summary['greedy_identical']})")
+    print(f"report: {eval_dir}/report.md  plots: {eval_dir}/*.png  curves: {dcfg.output_dir}/curves.png  "
+          f"draft: {draft_dir}\nExport for serving engines is not implemented yet.")
     return 0

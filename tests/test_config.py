@@ -3,38 +3,38 @@ import json
 import pytest
 import yaml
 
-from specdistill.config import ConfigError, DemoConfig, DraftConfig, load_config, parse_overrides, record_run
+from specdistill.config import ConfigError, DistillConfig, DraftConfig, load_config, parse_overrides, record_run
 
 
 def test_yaml_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("draft:\n  init: fresh\n  num_layers: 3\nmax_new_tokens: 10\n")
-    cfg = load_config(DemoConfig, path, ["draft.num_layers=5", "target.dtype=float32", "draft.layers=[1,2]"])
+    path.write_text("draft:\n  init: fresh\n  num_layers: 3\noutput_dir: x\n")
+    cfg = load_config(DistillConfig, path, ["draft.num_layers=5", "target.dtype=float32", "draft.layers=[1,2]"])
     assert cfg.draft.num_layers == 5
     assert cfg.draft.init == "fresh"
     assert cfg.target.dtype == "float32"
     assert cfg.draft.layers == [1, 2]
-    assert cfg.max_new_tokens == 10
+    assert cfg.output_dir == "x"
 
 
 def test_unknown_key_names_full_key(tmp_path):
     with pytest.raises(ConfigError, match="unknown config key 'draft.num_layer'"):
-        load_config(DemoConfig, None, ["draft.num_layer=2"])
+        load_config(DistillConfig, None, ["draft.num_layer=2"])
     path = tmp_path / "c.yaml"
     path.write_text("bogus: 1\n")
     with pytest.raises(ConfigError, match="unknown config key 'bogus'"):
-        load_config(DemoConfig, path)
+        load_config(DistillConfig, path)
 
 
 def test_out_of_range_and_type_errors_name_key():
     with pytest.raises(ConfigError, match="target.dtype"):
-        load_config(DemoConfig, None, ["target.dtype=float16"])
+        load_config(DistillConfig, None, ["target.dtype=float16"])
     with pytest.raises(ConfigError, match="draft.num_layers"):
-        load_config(DemoConfig, None, ["draft.num_layers=0"])
+        load_config(DistillConfig, None, ["draft.num_layers=0"])
     with pytest.raises(ConfigError, match="draft.num_layers: expected an integer"):
-        load_config(DemoConfig, None, ["draft.num_layers=two"])
+        load_config(DistillConfig, None, ["draft.num_layers=two"])
     with pytest.raises(ConfigError, match="data.heldout_fraction"):
-        load_config(DemoConfig, None, ["data.heldout_fraction=1.5"])
+        load_config(DistillConfig, None, ["data.heldout_fraction=1.5"])
     with pytest.raises(ConfigError, match="draft.path"):
         DraftConfig(init="pretrained")
 
@@ -43,13 +43,13 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="key=value"):
         parse_overrides(["draft.num_layers"])
     with pytest.raises(ConfigError, match="does not exist"):
-        load_config(DemoConfig, tmp_path / "missing.yaml")
+        load_config(DistillConfig, tmp_path / "missing.yaml")
 
 
 def test_record_run_writes_config_and_provenance(tmp_path):
-    cfg = load_config(DemoConfig, None, ["max_new_tokens=7"])
+    cfg = load_config(DistillConfig, None, ["train.max_steps=7"])
     out = record_run(tmp_path / "run", cfg, seed=3)
-    assert yaml.safe_load((out / "config.yaml").read_text())["max_new_tokens"] == 7
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["max_steps"] == 7
     run = json.loads((out / "run.json").read_text())
     assert run["seed"] == 3 and run["git_sha"] and run["versions"]["torch"]
     assert isinstance(run["argv"], list)

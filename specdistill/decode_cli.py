@@ -1,0 +1,68 @@
+"""``decode.py``: speculative generation from the command line, streaming text, then its stats.
+
+    python decode.py --target smollm2-135m --draft runs/quick/draft --prompt "Write a haiku about the sea."
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from .models import check_pair, load_model, load_tokenizer
+from .speculative import SamplingParams, SpeculativeGenerator, target_only_generate
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--draft", required=True)
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--schedule", default="fixed", choices=["fixed", "heuristic", "confidence"])
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--compare", action="store_true", help="also run target-only decoding and report the ratio")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    tokenizer = load_tokenizer(args.target)
+    target = load_model(args.target, args.dtype)
+    draft = load_model(args.draft, args.dtype)
+    check_pair(tokenizer, load_tokenizer(args.draft), target.config, draft.config)
+    if args.raw:
+        prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+    else:
+        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                                   add_generation_prompt=True, tokenize=True, return_dict=False)
+    gen = SpeculativeGenerator(target, draft, gamma=args.gamma, schedule=args.schedule)
+    stats: dict = {}
+    tokens: list[int] = []
+    printed = ""
+    params = SamplingParams(args.temperature, args.top_k, args.top_p)
+    for chunk in gen.stream(list(prompt_ids), args.max_new_tokens, tokenizer.eos_token_id, params, args.seed, stats):
+        tokens += chunk
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        sys.stdout.write(text[len(printed):])
+        sys.stdout.flush()
+        printed = text
+    accepted = stats["accepted"]
+    summary = {"new_tokens": stats["new_tokens"], "target_calls": stats["target_calls"], "tau": round(stats["tau"], 3),
+               "acceptance": round(sum(accepted) / max(sum(stats["drafted"]), 1), 3),
+               "ttft_s": round(stats.get("ttft_s", 0.0), 4), "tokens_per_s": round(stats["tokens_per_s"], 2)}
+    if args.compare:
+        ref = target_only_generate(target, list(prompt_ids), args.max_new_tokens, tokenizer.eos_token_id,
+                                   args.temperature, args.top_k, args.top_p, args.seed)
+        summary["target_only_tokens_per_s"] = round(ref.stats["tokens_per_s"], 2)
+        summary["speedup"] = round(stats["tokens_per_s"] / ref.stats["tokens_per_s"], 3)
+        if params.greedy:
+            summary["greedy_identical"] = ref.tokens == tokens
+    print("\n\n" + json.dumps(summary, indent=2))
+    return 0

@@ -1,0 +1,114 @@
+"""Distillation divergences: pure functions of student and teacher logits, computed in fp32.
+
+Every function returns per-token values; ``distill_loss`` sums them over the selected tokens, in chunks
+under activation checkpointing so that peak memory holds one chunk of fp32 vocab-sized tensors, not two
+full B×L×V ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+DIVERGENCES = ("fkl", "rkl", "jsd", "tvd")
+
+
+def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """KL(a‖b) per row from log-probabilities; 0·log 0 counts as 0."""
+    a = log_a.exp()
+    return torch.where(a > 0, a * (log_a - log_b), torch.zeros_like(a)).sum(-1)
+
+
+def divergence_from_logprobs(student_logp: torch.Tensor, teacher_logp: torch.Tensor, kind: str,
+                             beta: float = 0.5) -> torch.Tensor:
+    """Per-row divergence between teacher p and student q (log-probabilities over the same outcomes).
+
+    fkl = KL(p‖q) (mode covering), rkl = KL(q‖p) (mode seeking), tvd = ½Σ|p−q| = 1 − acceptance,
+    jsd = generalised JSD(β) as in GKD: β·KL(p‖m) + (1−β)·KL(q‖m), m = βp + (1−β)q; β=0 is FKL, β=1 RKL.
+    """
+    if kind == "fkl":
+        return _kl(teacher_logp, student_logp)
+    if kind == "rkl":
+        return _kl(student_logp, teacher_logp)
+    if kind == "tvd":
+        return 0.5 * (teacher_logp.exp() - student_logp.exp()).abs().sum(-1)
+    if kind == "jsd":
+        if beta <= 0.0:
+            return _kl(teacher_logp, student_logp)
+        if beta >= 1.0:
+            return _kl(student_logp, teacher_logp)
+        mix = torch.logsumexp(torch.stack([teacher_logp + torch.log(torch.tensor(beta)),
+                                           student_logp + torch.log(torch.tensor(1.0 - beta))]), dim=0)
+        return beta * _kl(teacher_logp, mix) + (1.0 - beta) * _kl(student_logp, mix)
+    raise ValueError(f"unknown divergence '{kind}' (choose from {', '.join(DIVERGENCES)})")
+
+
+def token_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: str, beta: float = 0.5,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """Per-token divergence from raw logits (..., V), both softened by ``temperature``."""
+    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    return divergence_from_logprobs(s, t, kind, beta)
+
+
+def topk_bucket(student_logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logp: torch.Tensor):
+    """Student and teacher as (k+1)-way distributions: the teacher's top-k tokens plus one tail bucket."""
+    s_full = F.log_softmax(student_logits.float(), dim=-1)
+    s_top = s_full.gather(-1, teacher_ids.long())
+    s_tail = torch.log1p(-s_top.exp().sum(-1).clamp(max=1 - 1e-6))
+    t_top = teacher_logp.float()
+    t_tail = torch.log1p(-t_top.exp().sum(-1).clamp(max=1 - 1e-6))
+    return torch.cat([s_top, s_tail[..., None]], -1), torch.cat([t_top, t_tail[..., None]], -1)
+
+
+def teacher_topk(teacher_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k token ids and their log-probabilities (of the full softmax) at T=1."""
+    logp = F.log_softmax(teacher_logits.float(), dim=-1)
+    values, ids = logp.topk(k, dim=-1)
+    return ids, values
+
+
+def cross_entropy_sum(student_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(student_logits.float(), labels.long(), reduction="sum")
+
+
+def _chunk_loss(student_hidden, head_weight, teacher, labels, kind, beta, temperature, ce_weight):
+    """Summed loss of one chunk. ``teacher`` is (hidden, weight) for logits, or (ids, logp) for top-k."""
+    logits = student_hidden @ head_weight.T
+    loss = torch.zeros((), dtype=torch.float32, device=logits.device)
+    if ce_weight < 1.0:
+        if teacher[0].dtype in (torch.int32, torch.int64):
+            s, t = topk_bucket(logits / temperature, teacher[0], teacher[1])
+            div = divergence_from_logprobs(s, t, kind, beta)
+        else:
+            with torch.no_grad():
+                teacher_logits = teacher[0] @ teacher[1].T
+            div = token_divergence(logits, teacher_logits, kind, beta, temperature)
+        # T² keeps gradient scale comparable across temperatures (Hinton et al.).
+        loss = loss + (1.0 - ce_weight) * div.sum() * temperature**2
+    if ce_weight > 0.0:
+        loss = loss + ce_weight * cross_entropy_sum(logits, labels)
+    return loss
+
+
+def distill_loss(student_hidden: torch.Tensor, head_weight: torch.Tensor, teacher: tuple, labels: torch.Tensor,
+                 kind: str = "fkl", beta: float = 0.5, temperature: float = 1.0, ce_weight: float = 0.0,
+                 chunk_size: int = 1024) -> torch.Tensor:
+    """Summed loss over N selected tokens (divide by the token count yourself, across steps and ranks).
+
+    student_hidden (N, d), head_weight (V, d); teacher = (teacher_hidden (N, d_t), teacher_head (V, d_t))
+    or (topk_ids (N, k), topk_logp (N, k)); labels (N,) for the CE term. N = 0 gives 0, never NaN.
+    """
+    total = student_hidden.new_zeros((), dtype=torch.float32)
+    topk = teacher[0].dtype in (torch.int32, torch.int64)
+    for start in range(0, student_hidden.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        # Top-k teachers are per-token (ids, logp); logit teachers are per-token hidden states and one head.
+        chunk_teacher = (teacher[0][rows], teacher[1][rows]) if topk else (teacher[0][rows], teacher[1])
+        args = (student_hidden[rows], head_weight, chunk_teacher, labels[rows], kind, beta, temperature, ce_weight)
+        if torch.is_grad_enabled() and student_hidden.requires_grad:
+            total = total + checkpoint(_chunk_loss, *args, use_reentrant=False)
+        else:
+            total = total + _chunk_loss(*args)
+    return total

@@ -1,0 +1,538 @@
+"""The training loop behind ``distill.py`` (logit distillation) and ``train.py`` (next-token CE).
+
+    accelerate launch distill.py --config configs/smollm2-135m-quick.yaml [key=value ...]
+
+One explicit loop on ``accelerate``: gradient accumulation with the loss normalised by the token count
+of the whole accumulation window across processes, bf16 autocast, warmup + cosine schedule, clipping,
+held-out acceptance every ``eval_every`` steps, atomic checkpoints (also on SIGTERM), non-finite-loss
+skipping, and a final HF folder for the draft.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .acceptance import expected_tau, greedy_block_acceptance, token_acceptance
+from .assets import atomic_write_dir, cache_dir
+from .config import DistillConfig, GenerateConfig, record_run, to_dict
+from .data import (
+    build_chat_dataset, generate_responses, generated_to_training, load_conversations, load_mtbench,
+    split_records, target_generated_dataset,
+)
+from .losses import distill_loss, teacher_topk
+from .models import build_draft, check_pair, load_model, load_tokenizer, size_report
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive non-finite losses: the run is diverging."""
+
+
+class DraftLoss(nn.Module):
+    """Wraps the draft so that the whole loss is computed inside ``forward`` (what DDP needs).
+
+    Only the selected positions go through the LM head, in chunks: the vocab-sized tensors exist for
+    one chunk at a time, never for the whole B×L batch.
+    """
+
+    def __init__(self, draft: nn.Module):
+        super().__init__()
+        self.draft = draft
+
+    def base(self):
+        return self.draft.get_base_model() if hasattr(self.draft, "get_base_model") else self.draft
+
+    def forward(self, input_ids, attention_mask, select, teacher, labels, kind, beta, temperature, ce_weight,
+                chunk_size):
+        base = self.base()
+        body = getattr(base, base.base_model_prefix)
+        hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        head = base.get_output_embeddings().weight
+        return distill_loss(hidden[:, :-1][select], head, teacher, labels, kind, beta, temperature, ce_weight,
+                            chunk_size)
+
+
+# ---------------------------------------------------------------- data
+
+
+def pad_batch(rows: list[dict], seq_len: int, pad_id: int) -> dict:
+    """Right-padded tensors; ``select`` marks positions t whose next token t+1 is a loss token."""
+    rows = [{k: list(v)[:seq_len] for k, v in r.items() if k in ("input_ids", "loss_mask")} for r in rows]
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[i, :n] = torch.tensor(r["input_ids"])
+        attention[i, :n] = 1
+        mask[i, :n] = torch.tensor(r["loss_mask"], dtype=torch.bool)
+    return {"input_ids": ids, "attention_mask": attention, "select": mask[:, 1:], "labels": ids[:, 1:][mask[:, 1:]]}
+
+
+def micro_batch_rows(step: int, micro: int, cfg, world: int, rank: int, num_rows: int) -> list[int]:
+    """Row indices for one process's micro-batch: a fixed permutation per epoch, so order survives resume."""
+    per_step = cfg.batch_size * cfg.grad_accum * world
+    start = (step * cfg.grad_accum + micro) * cfg.batch_size * world
+    rows = []
+    for offset in range(start + rank, start + cfg.batch_size * world, world):
+        epoch, position = divmod(offset, num_rows)
+        order = list(range(num_rows))
+        random.Random(cfg.seed * 1_000_003 + epoch).shuffle(order)
+        rows.append(order[position])
+    del per_step
+    return rows
+
+
+def training_rows(cfg: DistillConfig, target, tokenizer, accelerator):
+    """The training set per ``train.data_mode`` (fixed ShareGPT replies or the target's own)."""
+    if cfg.train.data_mode == "fixed":
+        records = load_conversations(cfg.data)
+        train, _ = split_records(records, cfg.data.heldout_fraction, cfg.data.seed)
+        with accelerator.main_process_first():
+            return build_chat_dataset(tokenizer, train, cfg.train.seq_len)
+    with accelerator.main_process_first():
+        generated = target_generated_dataset(target, tokenizer, cfg.target.path, cfg.data, cfg.generate)
+    return generated_to_training(generated)
+
+
+def build_teacher_cache(target, rows, cfg, pad_id: int, out_dir: Path):
+    """Offline teacher: the target's top-k log-probs at every loss position, computed once, stored as Arrow."""
+    import datasets
+    from tqdm.auto import tqdm
+
+    if (out_dir / "dataset_info.json").is_file():
+        return datasets.load_from_disk(str(out_dir))
+    k = cfg.train.cache_top_k
+    records = []
+    for start in tqdm(range(0, len(rows), 16), desc="teacher cache", unit="batch"):
+        chunk = [rows[i] for i in range(start, min(start + 16, len(rows)))]
+        batch = pad_batch(chunk, cfg.train.seq_len, pad_id)
+        with torch.inference_mode():
+            logits = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        for i, row in enumerate(chunk):
+            ids, logp = teacher_topk(logits[i][batch["select"][i]], k)
+            records.append({"input_ids": list(row["input_ids"])[: cfg.train.seq_len],
+                             "loss_mask": list(row["loss_mask"])[: cfg.train.seq_len],
+                             "topk_ids": ids.int().tolist(), "topk_logp": logp.half().float().tolist()})
+    features = datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        "topk_ids": datasets.Sequence(datasets.Sequence(datasets.Value("int32"))),
+        "topk_logp": datasets.Sequence(datasets.Sequence(datasets.Value("float16"))),
+    })
+    ds = datasets.Dataset.from_list(records, features=features)
+    atomic_write_dir(out_dir, lambda tmp: ds.save_to_disk(str(tmp)))
+    return datasets.load_from_disk(str(out_dir))
+
+
+def sample_onpolicy(draft, batch_rows: list[dict], tokenizer, new_tokens: int, seq_len: int) -> list[dict]:
+    """Replace each row's reply by one sampled from the current draft (the target scores it later)."""
+    prompts = []
+    for r in batch_rows:
+        mask = list(r["loss_mask"])
+        first = mask.index(1) if 1 in mask else len(mask)
+        prompts.append(list(r["input_ids"])[: min(first, seq_len - new_tokens)])
+    pad_id = tokenizer.pad_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        attention[i, width - len(p):] = 1
+    was_training = draft.training
+    draft.eval()
+    with torch.no_grad():
+        out = draft.generate(input_ids=ids, attention_mask=attention, do_sample=True, temperature=1.0, top_k=0,
+                             top_p=1.0, max_new_tokens=new_tokens, pad_token_id=pad_id,
+                             eos_token_id=tokenizer.eos_token_id)
+    draft.train(was_training)
+    rows = []
+    for i, p in enumerate(prompts):
+        reply = out[i, width:].tolist()
+        if tokenizer.eos_token_id in reply:
+            reply = reply[: reply.index(tokenizer.eos_token_id) + 1]
+        rows.append({"input_ids": p + reply, "loss_mask": [0] * len(p) + [1] * len(reply)})
+    return rows
+
+
+# ---------------------------------------------------------------- held-out acceptance
+
+
+def eval_set(target, tokenizer, cfg: DistillConfig) -> dict | None:
+    """MT-bench turn-1 prompts with the target's greedy continuations and its logits there (kept in bf16)."""
+    n = cfg.train.eval_prompts
+    if n == 0:
+        return None
+    questions = load_mtbench()[:n]
+    prompts = [(f"mtbench-{q['question_id']}", [{"role": "user", "content": q["turns"][0]}]) for q in questions]
+    # MT-bench prompts are long in small vocabularies; keep them whole rather than drop them.
+    gen = GenerateConfig(num_prompts=n, max_new_tokens=cfg.train.eval_new_tokens, batch_size=8,
+                         max_prompt_tokens=384)
+    key = f"{Path(cfg.target.path).name}-mtbench{n}-{gen.max_new_tokens}-{cfg.target.dtype}-L{gen.max_prompt_tokens}"
+    ds = generate_responses(target, tokenizer, prompts, cache_dir() / "eval" / key, gen.max_prompt_tokens,
+                            gen.max_new_tokens, gen.batch_size)
+    rows = [r for r in generated_to_training(ds)]
+    batch = pad_batch(rows, gen.max_prompt_tokens + gen.max_new_tokens, tokenizer.pad_token_id)
+    logits = []
+    with torch.inference_mode():
+        for i in range(0, len(rows), 8):
+            out = target(input_ids=batch["input_ids"][i:i + 8], attention_mask=batch["attention_mask"][i:i + 8])
+            logits.append(out.logits[:, :-1][batch["select"][i:i + 8]].to(torch.bfloat16))
+    return {"batch": batch, "target_logits": torch.cat(logits), "rows": len(rows)}
+
+
+@torch.no_grad()
+def evaluate_acceptance(draft, evalset: dict, gamma: int = 5) -> dict:
+    batch = evalset["batch"]
+    was_training = draft.training
+    draft.eval()
+    draft_logits = []
+    for i in range(0, batch["input_ids"].shape[0], 8):
+        out = draft(input_ids=batch["input_ids"][i:i + 8], attention_mask=batch["attention_mask"][i:i + 8])
+        draft_logits.append(out.logits[:, :-1][batch["select"][i:i + 8]].float())
+    draft.train(was_training)
+    q = torch.cat(draft_logits)
+    p = evalset["target_logits"].float()
+    greedy = token_acceptance(p, q, 0.0)
+    sampled = token_acceptance(p, q, 1.0)
+    counts, offset = [], 0
+    for n in batch["select"].sum(1).tolist():
+        counts += greedy_block_acceptance(greedy[offset: offset + n], gamma)
+        offset += n
+    alpha = greedy.mean().item()
+    return {"alpha_greedy": alpha, "alpha_t1": sampled.mean().item(),
+            f"tau_greedy_g{gamma}": sum(c + 1 for c in counts) / max(len(counts), 1),
+            f"tau_iid_g{gamma}": expected_tau(alpha, gamma), "eval_tokens": int(greedy.numel())}
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    pointer = output_dir / "checkpoints" / "latest"
+    if pointer.is_file():
+        path = output_dir / "checkpoints" / pointer.read_text().strip()
+        if (path / "trainer_state.json").is_file():
+            return path
+    complete = sorted(p for p in (output_dir / "checkpoints").glob("step-*") if (p / "trainer_state.json").is_file())
+    return complete[-1] if complete else None
+
+
+def save_checkpoint(accelerator, output_dir: Path, state: dict, keep_last: int) -> Path:
+    """save_state into a temp folder, then rename: a killed save never looks complete."""
+    root = output_dir / "checkpoints"
+    name = f"step-{state['step']:07d}"
+    tmp = root / f".tmp-{name}"
+    if accelerator.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    final = root / name
+    if accelerator.is_main_process:
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer_tmp = root / ".latest.tmp"
+        pointer_tmp.write_text(name)
+        os.replace(pointer_tmp, root / "latest")
+        complete = sorted(p for p in root.glob("step-*") if (p / "trainer_state.json").is_file())
+        for old in complete[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def save_draft(draft, tokenizer, out: Path, extra: dict) -> Path:
+    """The trained draft as a plain HF folder (LoRA merged), with the target's tokenizer."""
+    import copy
+
+    model = draft
+    if hasattr(model, "merge_and_unload"):
+        model = copy.deepcopy(model).merge_and_unload()
+
+    def write(tmp: Path):
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "specdistill.json").write_text(json.dumps(extra, indent=2))
+
+    return atomic_write_dir(out, write)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def lr_lambda(cfg):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def run(cfg: DistillConfig, resume: bool = False) -> dict:
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    tc = cfg.train
+    out = Path(cfg.output_dir)
+    mixed = "bf16" if tc.bf16 else "no"
+    accelerator = Accelerator(mixed_precision=mixed, log_with="tensorboard", project_dir=str(out))
+    set_seed(tc.seed)
+    if accelerator.is_main_process:
+        record_run(out, cfg, seed=tc.seed, extra={"num_processes": accelerator.num_processes})
+    accelerator.init_trackers("tb", config={k: str(v) for k, v in to_dict(cfg).items()})
+
+    tokenizer = load_tokenizer(cfg.target.path)
+    target = load_model(cfg.target.path, cfg.target.dtype).to(accelerator.device)
+    draft = build_draft(target if cfg.target.dtype == "float32" else target.float(), cfg.draft)
+    if cfg.target.dtype != "float32":
+        target = target.to(torch.bfloat16)  # build_draft read fp32 copies; the teacher runs in bf16
+    check_pair(tokenizer, load_tokenizer(cfg.draft.path) if cfg.draft.init == "pretrained" else tokenizer,
+               target.config, draft.config)
+    sizes = size_report(draft, target)
+    if tc.freeze_embedding:
+        draft.get_input_embeddings().requires_grad_(False)
+    if tc.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        draft = get_peft_model(draft, LoraConfig(r=tc.lora_r, lora_alpha=tc.lora_alpha, lora_dropout=0.0,
+                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                 "gate_proj", "up_proj", "down_proj"]))
+    accelerator.print(f"draft: {sizes['draft_params'] / 1e6:.1f}M params = {sizes['ratio_total']:.1%} of the target "
+                      f"({sizes['ratio_non_embedding']:.1%} without embeddings)")
+
+    rows = training_rows(cfg, target, tokenizer, accelerator)
+    evalset = eval_set(target, tokenizer, cfg) if accelerator.is_main_process else None
+    if tc.data_mode == "cache":
+        cache_key = f"teacher-{rows._fingerprint}-k{tc.cache_top_k}-L{tc.seq_len}-{cfg.target.dtype}"
+        with accelerator.main_process_first():
+            rows = build_teacher_cache(target, rows, cfg, tokenizer.pad_token_id, cache_dir() / "teacher" / cache_key)
+        del target  # the cache replaces the teacher: train without it in memory
+        target = None
+    num_rows = len(rows)
+    if num_rows == 0:
+        raise ValueError("the training set is empty")
+
+    module = DraftLoss(draft)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc))
+    module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)
+
+    state = {"step": 0, "tokens": 0, "nonfinite_total": 0, "nonfinite_run": 0, "elapsed_s": 0.0}
+    if resume:
+        ckpt = latest_checkpoint(out)
+        if ckpt is None:
+            accelerator.print(f"--resume: no complete checkpoint under {out}/checkpoints, starting fresh")
+        else:
+            accelerator.load_state(str(ckpt))
+            state = json.loads((ckpt / "trainer_state.json").read_text())
+            accelerator.print(f"resumed from {ckpt} (step {state['step']})")
+
+    stop = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signum  # saved at the next step boundary, never mid-update
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    kind = tc.loss if tc.objective == "distill" else "fkl"
+    ce_weight = 1.0 if tc.objective == "ce" else tc.ce_weight
+    history = []
+    base_draft = accelerator.unwrap_model(module).draft
+
+    def log(row: dict):
+        history.append(row)
+        accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=row["step"])
+        if accelerator.is_main_process:
+            metrics_path = out / f"{row['kind']}_metrics.csv"  # train and eval rows have different columns
+            new = not metrics_path.exists()
+            with metrics_path.open("a", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=sorted(row), extrasaction="ignore")
+                if new:
+                    writer.writeheader()
+                writer.writerow(row)
+
+    def evaluate(step: int):
+        if evalset is None:
+            return {}
+        result = evaluate_acceptance(base_draft, evalset)
+        log({"step": step, "kind": "eval", **result})
+        return result
+
+    last_eval = evaluate(state["step"]) if state["step"] == 0 else {}
+    started = time.perf_counter() - state["elapsed_s"]
+    bar = tqdm(total=tc.max_steps, initial=state["step"], desc=f"{tc.objective}:{kind}", unit="step",
+               disable=not accelerator.is_main_process)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    try:
+        while state["step"] < tc.max_steps:
+            step = state["step"]
+            t0 = time.perf_counter()
+            micro_batches = []
+            for micro in range(tc.grad_accum):
+                batch_rows = [rows[i] for i in micro_batch_rows(step, micro, tc, world, rank, num_rows)]
+                if tc.data_mode == "onpolicy" and random.Random(tc.seed * 7919 + step).random() < tc.onpolicy_fraction:
+                    batch_rows = sample_onpolicy(base_draft, batch_rows, tokenizer, tc.onpolicy_new_tokens, tc.seq_len)
+                batch = pad_batch(batch_rows, tc.seq_len, tokenizer.pad_token_id)
+                if tc.data_mode == "cache":
+                    batch["teacher"] = (torch.cat([torch.tensor(r["topk_ids"], dtype=torch.long).reshape(-1, tc.cache_top_k)
+                                                   for r in batch_rows]),
+                                        torch.cat([torch.tensor(r["topk_logp"], dtype=torch.float32).reshape(-1, tc.cache_top_k)
+                                                   for r in batch_rows]))
+                micro_batches.append(batch)
+            # Normalise by the loss tokens of the whole window on all processes (not per micro-batch mean).
+            local_tokens = torch.tensor(sum(int(b["select"].sum()) for b in micro_batches), dtype=torch.float64)
+            window_tokens = accelerator.reduce(local_tokens.to(accelerator.device), reduction="sum").item()
+            step_loss = 0.0
+            for i, batch in enumerate(micro_batches):
+                if "teacher" in batch:
+                    teacher = batch["teacher"]
+                elif ce_weight < 1.0:
+                    with torch.inference_mode():
+                        hidden = getattr(target, target.base_model_prefix)(
+                            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+                    teacher = (hidden[:, :-1][batch["select"]].clone(), target.get_output_embeddings().weight)
+                else:
+                    teacher = (torch.zeros(0, 1), torch.zeros(1, 1))  # CE only: the teacher is never read
+                if tc.teacher_top_k and "teacher" not in batch and ce_weight < 1.0:
+                    with torch.inference_mode():
+                        teacher = teacher_topk(teacher[0].float() @ teacher[1].float().T, tc.teacher_top_k)
+                    teacher = (teacher[0].clone(), teacher[1].clone())
+                sync = accelerator.no_sync(module) if i < len(micro_batches) - 1 else _nullcontext()
+                with sync:
+                    loss_sum = module(batch["input_ids"], batch["attention_mask"], batch["select"], teacher,
+                                      batch["labels"], kind, tc.beta, tc.temperature, ce_weight, tc.chunk_size)
+                    loss = loss_sum * world / max(window_tokens, 1.0)
+                    if step in tc.inject_nan_steps:
+                        loss = loss * float("nan")
+                    accelerator.backward(loss)
+                step_loss += loss.detach().float().item() / world
+            # Each rank holds its share of the window's normalised loss: their sum is the step's loss.
+            step_loss = accelerator.reduce(torch.tensor(step_loss, dtype=torch.float64, device=accelerator.device),
+                                           reduction="sum").item()
+            finite = math.isfinite(step_loss)
+            grad_norm = float("nan")
+            if finite:
+                grad_norm = float(accelerator.clip_grad_norm_(trainable, tc.grad_clip))
+                optimizer.step()
+                state["nonfinite_run"] = 0
+            else:
+                state["nonfinite_total"] += 1
+                state["nonfinite_run"] += 1
+                accelerator.print(f"step {step}: non-finite loss, update skipped "
+                                  f"({state['nonfinite_run']} in a row, {state['nonfinite_total']} in total)")
+                if state["nonfinite_run"] >= tc.max_nonfinite:
+                    raise NonFiniteLossError(
+                        f"{state['nonfinite_run']} consecutive non-finite losses at step {step}: the run diverged "
+                        f"(lower train.lr, check the data, or raise train.max_nonfinite)")
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            seq_tokens = int(sum(int(b["attention_mask"].sum()) for b in micro_batches)) * world
+            state["tokens"] += int(window_tokens)
+            state["step"] = step + 1
+            seconds = time.perf_counter() - t0
+            state["elapsed_s"] = time.perf_counter() - started
+            log({"step": state["step"], "kind": "train", "loss": step_loss if finite else float("nan"),
+                 "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "loss_tokens": int(window_tokens),
+                 "tokens_per_s": seq_tokens / seconds, "elapsed_s": state["elapsed_s"]})
+            if state["step"] % tc.eval_every == 0 or state["step"] == tc.max_steps:
+                last_eval = evaluate(state["step"])
+            bar.update(1)
+            bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{seq_tokens / seconds:.0f}",
+                            alpha=f"{last_eval.get('alpha_greedy', float('nan')):.3f}")
+            out_of_time = bool(tc.max_minutes and state["elapsed_s"] > tc.max_minutes * 60)
+            out_of_time = out_of_time or state["step"] == tc.stop_at_step
+            if state["step"] % tc.save_every == 0 or stop["signal"] or out_of_time:
+                save_checkpoint(accelerator, out, state, tc.keep_last)
+            if stop["signal"]:
+                accelerator.print(f"stopped by signal {stop['signal']} at step {state['step']}; checkpoint saved, "
+                                  f"continue with --resume")
+                break
+            if out_of_time:
+                accelerator.print(f"stopping at step {state['step']} (train.max_minutes / train.stop_at_step)")
+                if not last_eval or history[-1].get("kind") != "eval":
+                    last_eval = evaluate(state["step"])
+                break
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        bar.close()
+
+    result = {"steps": state["step"], "loss_tokens": state["tokens"], "elapsed_s": state["elapsed_s"],
+              "nonfinite_total": state["nonfinite_total"], "sizes": sizes, "final_eval": last_eval,
+              "interrupted": bool(stop["signal"])}
+    if accelerator.is_main_process and not stop["signal"]:
+        save_checkpoint(accelerator, out, state, tc.keep_last) if state["step"] % tc.save_every else None
+        save_draft(base_draft, tokenizer, out / "draft", {"target": cfg.target.path, "sizes": sizes,
+                                                          "final_eval": last_eval, "config": to_dict(cfg)})
+        (out / "metrics.json").write_text(json.dumps(result, indent=2))
+        plot_curves(history, out / "curves.png", title=f"{tc.objective} ({kind}), {cfg.output_dir}")
+    elif not stop["signal"]:
+        save_checkpoint(accelerator, out, state, tc.keep_last) if state["step"] % tc.save_every else None
+    accelerator.end_training()
+    return result
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def plot_curves(history: list[dict], path: Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in history if r["kind"] == "train"]
+    evals = [r for r in history if r["kind"] == "eval"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    if train:
+        axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
+    axes[0].set(xlabel="step", ylabel="loss", title="training loss")
+    if evals:
+        steps = [r["step"] for r in evals]
+        axes[1].plot(steps, [r["alpha_greedy"] for r in evals], "o-", label="α greedy")
+        axes[1].plot(steps, [r["alpha_t1"] for r in evals], "s-", label="α T=1")
+        axes[1].legend()
+    axes[1].set(xlabel="step", ylabel="acceptance", title="held-out MT-bench acceptance", ylim=(0, 1))
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None, objective: str | None = None) -> int:
+    import argparse
+
+    from .config import load_config
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    parser.add_argument("overrides", nargs="*", help="key=value, e.g. train.lr=3e-4 draft.layers=[0,29]")
+    args = parser.parse_args(argv)
+    overrides = list(args.overrides)
+    if objective:
+        overrides.append(f"train.objective={objective}")
+    cfg = load_config(DistillConfig, args.config, overrides)
+    result = run(cfg, resume=args.resume)
+    print(json.dumps({k: v for k, v in result.items() if k != "sizes"}, indent=2))
+    return 0

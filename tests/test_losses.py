@@ -1,0 +1,82 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdistill.losses import DIVERGENCES, distill_loss, teacher_topk, token_divergence
+
+
+def logits(seed, n=6, v=11, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, v, generator=g) * scale
+
+
+@pytest.mark.parametrize("kind", DIVERGENCES)
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), temperature=st.sampled_from([0.5, 1.0, 2.0]))
+def test_zero_on_identical_and_nonnegative(kind, seed, temperature):
+    a, b = logits(seed), logits(seed + 1)
+    assert torch.allclose(token_divergence(a, a, kind, temperature=temperature), torch.zeros(6), atol=1e-5)
+    assert (token_divergence(a, b, kind, temperature=temperature) >= -1e-6).all()
+
+
+def test_known_values_and_limits():
+    p = torch.tensor([[0.0, 10.0]])  # ≈ one-hot on token 1
+    q = torch.tensor([[10.0, 0.0]])  # ≈ one-hot on token 0
+    assert token_divergence(p, q, "tvd").item() == pytest.approx(1.0, abs=1e-4)
+    assert token_divergence(p, q, "jsd", beta=0.5).item() == pytest.approx(math.log(2), abs=1e-3)
+    a, b = logits(1), logits(2)
+    assert torch.allclose(token_divergence(a, b, "jsd", beta=0.0), token_divergence(a, b, "fkl"))
+    assert torch.allclose(token_divergence(a, b, "jsd", beta=1.0), token_divergence(a, b, "rkl"))
+    # β → 0 the scaled JSD tends to the forward KL's behaviour; it stays bounded by log 2 in between.
+    assert (token_divergence(a, b, "jsd", beta=0.5) <= math.log(2) + 1e-5).all()
+    # FKL(p‖q) with (student=a, teacher=b) is KL(b‖a): check against torch's kl_div.
+    expected = torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True,
+                                          reduction="none").sum(-1)
+    assert torch.allclose(token_divergence(a, b, "fkl"), expected, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown divergence"):
+        token_divergence(a, b, "hellinger")
+
+
+@pytest.mark.parametrize("kind", DIVERGENCES)
+def test_chunked_equals_plain_and_gradients_finite(kind):
+    torch.manual_seed(0)
+    n, d, v = 37, 8, 23
+    hidden = torch.randn(n, d, requires_grad=True)
+    head = torch.randn(v, d, requires_grad=True)
+    t_hidden, t_head = torch.randn(n, d), torch.randn(v, d)
+    labels = torch.randint(0, v, (n,))
+    plain = token_divergence(hidden @ head.T, t_hidden @ t_head.T, kind).sum()
+    chunked = distill_loss(hidden, head, (t_hidden, t_head), labels, kind, chunk_size=5)
+    assert torch.allclose(plain, chunked, atol=1e-4)
+    chunked.backward()
+    grad_chunked = hidden.grad.clone()
+    hidden.grad = None
+    plain.backward()
+    assert torch.allclose(grad_chunked, hidden.grad, atol=1e-5)
+    assert torch.isfinite(head.grad).all()
+
+
+def test_all_masked_batch_gives_zero_not_nan():
+    hidden = torch.zeros(0, 4, requires_grad=True)
+    loss = distill_loss(hidden, torch.randn(9, 4), (torch.zeros(0, 4), torch.randn(9, 4)), torch.zeros(0), "fkl")
+    assert loss.item() == 0.0 and not math.isnan(loss.item())
+
+
+def test_ce_mix_and_topk_bucket():
+    torch.manual_seed(1)
+    hidden, head = torch.randn(10, 6), torch.randn(30, 6)
+    t_hidden, t_head = torch.randn(10, 6), torch.randn(30, 6)
+    labels = torch.randint(0, 30, (10,))
+    ce = torch.nn.functional.cross_entropy(hidden @ head.T, labels, reduction="sum")
+    assert distill_loss(hidden, head, (t_hidden, t_head), labels, ce_weight=1.0).item() == pytest.approx(ce.item(), rel=1e-5)
+    # Top-k with k = V keeps the whole distribution: the bucket is empty and FKL is unchanged.
+    full = distill_loss(hidden, head, (t_hidden, t_head), labels, "fkl")
+    ids, logp = teacher_topk(t_hidden @ t_head.T, 30)
+    assert distill_loss(hidden, head, (ids, logp), labels, "fkl").item() == pytest.approx(full.item(), rel=1e-3)
+    # A small k stays finite and positive.
+    ids, logp = teacher_topk(t_hidden @ t_head.T, 3)
+    small = distill_loss(hidden, head, (ids, logp), labels, "fkl")
+    assert torch.isfinite(small) and small.item() > 0

@@ -1,0 +1,155 @@
+import pytest
+import torch
+
+from conftest import make_llama
+from specdistill.speculative import (
+    SamplingParams, SpeculativeGenerator, _CachedModel, target_only_generate, verify, warp,
+)
+
+VOCAB = 16
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson χ² goodness-of-fit p-value (cells with expected count < 5 merged into one)."""
+    expected = probs * counts.sum()
+    keep = expected >= 5
+    obs = torch.cat([counts[keep], counts[~keep].sum(0, keepdim=True)]).double()
+    exp = torch.cat([expected[keep], expected[~keep].sum(0, keepdim=True)]).double()
+    nonzero = exp > 0
+    obs, exp = obs[nonzero], exp[nonzero]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+class RolledDraft(torch.nn.Module):
+    """A draft whose argmax is never the target's: the target's own logits shifted by one token."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.inner = target
+        self.config = target.config
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def forward(self, **kwargs):
+        out = self.inner(**kwargs)
+        out.logits = out.logits.roll(1, dims=-1)
+        return out
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_llama(VOCAB, hidden=32, layers=2, seed=0), make_llama(VOCAB, hidden=32, layers=1, seed=1)
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4, 7])
+@pytest.mark.parametrize("schedule", ["fixed", "heuristic", "confidence"])
+def test_greedy_identical_to_target_only(pair, gamma, schedule):
+    target, draft = pair
+    gen = SpeculativeGenerator(target, draft, gamma=gamma, schedule=schedule)
+    for seed in range(4):
+        prompt = torch.randint(0, VOCAB, (5 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ours = gen.generate(prompt, max_new_tokens=25)
+        ref = target_only_generate(target, prompt, max_new_tokens=25)
+        assert ours.tokens == ref.tokens
+        hf = target.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False, min_new_tokens=25,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert ours.tokens == hf
+
+
+def test_eos_and_max_new_tokens_end_where_target_only_does(pair):
+    target, draft = pair
+    prompt = [3, 1, 4, 1, 5]
+    ref = target_only_generate(target, prompt, max_new_tokens=30)
+    eos = ref.tokens[7]  # a token the target emits: generation must stop at its first occurrence
+    first = ref.tokens.index(eos)
+    ours = SpeculativeGenerator(target, draft, gamma=4).generate(prompt, 30, eos_token_id=eos)
+    assert ours.tokens == ref.tokens[: first + 1]
+    for n in (1, 2, 3, 11):
+        assert SpeculativeGenerator(target, draft, gamma=4).generate(prompt, n).tokens == ref.tokens[:n]
+
+
+def test_accept_all_and_accept_none(pair):
+    target, _ = pair
+    prompt = [1, 2, 3]
+    same = SpeculativeGenerator(target, target, gamma=4).generate(prompt, 20)
+    assert same.stats["accepted"][:-1] == same.stats["drafted"][:-1]
+    assert same.stats["tau"] > 4.0
+    none = SpeculativeGenerator(target, RolledDraft(target), gamma=4).generate(prompt, 20)
+    assert all(n == 0 for n in none.stats["accepted"]) and none.stats["tau"] == 1.0
+    assert none.tokens == target_only_generate(target, prompt, 20).tokens
+
+
+def test_cache_rollback_equals_fresh_prefill(pair):
+    target, _ = pair
+    tokens = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    rolled = _CachedModel(target)
+    rolled.feed(tokens[:8])
+    rolled.feed(tokens[8:] + [1, 2])  # a speculative block, partly rejected
+    rolled.crop(10)
+    fresh = _CachedModel(target)
+    fresh.feed(tokens[:10])
+    for layer in range(target.config.num_hidden_layers):
+        k1, v1 = rolled.cache.layers[layer].keys, rolled.cache.layers[layer].values
+        k2, v2 = fresh.cache.layers[layer].keys, fresh.cache.layers[layer].values
+        assert torch.allclose(k1, k2, atol=1e-5) and torch.allclose(v1, v2, atol=1e-5)
+    assert torch.allclose(rolled.feed([tokens[10]]), fresh.feed([tokens[10]]), atol=1e-4)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(1.0, top_k=5),
+                                    SamplingParams(0.8, top_p=0.8)])
+def test_verify_rule_preserves_target_distribution(params):
+    """χ² on ≥10⁴ samples per position: emitted tokens follow p, at position 1 and (given acceptance) 2."""
+    g = torch.Generator().manual_seed(0)
+    v = 12
+    p = warp(torch.randn(3, v, generator=g) * 2, params)
+    q = warp(torch.randn(2, v, generator=g) * 2, params)
+    n = 20_000
+    first, second = torch.zeros(v), torch.zeros(v)
+    for _ in range(n):
+        drafts = torch.stack([torch.multinomial(q[0], 1, generator=g), torch.multinomial(q[1], 1, generator=g)])[:, 0]
+        accepted, nxt = verify(p, q, drafts, g)
+        emitted = drafts[:accepted].tolist() + [nxt]
+        first[emitted[0]] += 1
+        if len(emitted) > 1:
+            second[emitted[1]] += 1
+    assert chi_square_p(first, p[0]) > 1e-3
+    assert second.sum() > 2000 and chi_square_p(second, p[1]) > 1e-3
+
+
+def test_verify_disjoint_support_never_accepts():
+    p = torch.tensor([[0.5, 0.5, 0.0, 0.0]] * 3)
+    q = torch.tensor([[0.0, 0.0, 0.5, 0.5]] * 2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        drafts = torch.multinomial(q[0], 2, replacement=True, generator=g)
+        accepted, nxt = verify(p, q, drafts, g)
+        assert accepted == 0 and nxt in (0, 1)
+
+
+def test_sampled_generation_matches_target_distribution_end_to_end(pair):
+    """Whole-generator check: the first two sampled tokens' joint frequencies follow the target's."""
+    target, draft = pair
+    prompt = [2, 7, 1]
+    params = SamplingParams(1.0)
+    with torch.no_grad():
+        p1 = warp(target(torch.tensor([prompt])).logits[0, -1], params)
+    gen = SpeculativeGenerator(target, draft, gamma=3)
+    counts = torch.zeros(VOCAB)
+    for seed in range(3000):
+        out = gen.generate(prompt, max_new_tokens=2, temperature=1.0, seed=seed)
+        counts[out.tokens[0]] += 1
+    assert chi_square_p(counts, p1) > 1e-3
+
+
+def test_bad_arguments(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="vocab size mismatch"):
+        SpeculativeGenerator(target, make_llama(VOCAB + 1, hidden=32, layers=1))
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        SpeculativeGenerator(target, draft).generate([], 3)

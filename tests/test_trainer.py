@@ -1,0 +1,166 @@
+"""End-to-end tests of distill.py / train.py on a tiny random pair (seconds each)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specdistill.config import DistillConfig, load_config
+from specdistill.trainer import NonFiniteLossError, latest_checkpoint, run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory):
+    """A small ShareGPT-format file so the tests need neither the real data nor the network."""
+    words = "the sea sky fox dog poem capital France Paris draft model token quick brown lazy".split()
+    records = []
+    for i in range(48):
+        q = " ".join(words[(i + j) % len(words)] for j in range(6))
+        a = " ".join(words[(i * 3 + j) % len(words)] for j in range(12))
+        records.append({"id": f"c{i}_0", "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
+    path = tmp_path_factory.mktemp("data") / "chats.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def overrides(pair, data, out, *extra):
+    return [f"target.path={pair / 'target'}", "target.dtype=float32", f"data.source={data}",
+            "draft.init=fresh", "draft.num_layers=1", "draft.hidden_size=32", "draft.embedding=project",
+            "train.data_mode=fixed", "train.max_steps=6", "train.batch_size=2", "train.seq_len=48",
+            "train.eval_every=3", "train.eval_prompts=2", "train.eval_new_tokens=4", "train.save_every=3",
+            "train.warmup_steps=1", "train.lr=3e-3", "train.bf16=false", f"output_dir={out}", *extra]
+
+
+def config(pair, data, out, *extra) -> DistillConfig:
+    return load_config(DistillConfig, ROOT / "configs" / "tiny.yaml", overrides(pair, data, out, *extra))
+
+
+def train_losses(out: Path) -> list[float]:
+    lines = (out / "train_metrics.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    return [float(line.split(",")[header.index("loss")]) for line in lines[1:]]
+
+
+def test_distill_end_to_end(tiny_pair_dir, conversations, tmp_path):
+    out = tmp_path / "run"
+    result = run(config(tiny_pair_dir, conversations, out, "train.max_steps=12", "train.save_every=4"))
+    losses = train_losses(out)
+    assert len(losses) == 12 and all(map(lambda x: x == x, losses))
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+    assert result["final_eval"]["eval_tokens"] > 0 and 0 <= result["final_eval"]["alpha_greedy"] <= 1
+    for name in ("config.yaml", "run.json", "metrics.json", "curves.png", "eval_metrics.csv",
+                 "draft/model.safetensors", "draft/config.json", "draft/tokenizer.json"):
+        assert (out / name).is_file(), name
+    ckpts = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    assert ckpts == ["step-0000008", "step-0000012"]  # keep_last=2
+    assert latest_checkpoint(out).name == "step-0000012"
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out / "draft")
+    initial = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "target")
+    assert reloaded.config.vocab_size == initial.config.vocab_size
+    assert not torch.equal(reloaded.model.layers[0].mlp.up_proj.weight[:4, :4], torch.zeros(4, 4))
+
+
+def test_golden_losses(tiny_pair_dir, conversations, tmp_path):
+    run(config(tiny_pair_dir, conversations, tmp_path / "g", "train.max_steps=3", "train.eval_prompts=0"))
+    assert train_losses(tmp_path / "g") == pytest.approx(GOLDEN_FKL, rel=1e-4)
+
+
+GOLDEN_FKL = [0.0, 0.0, 0.0]
+
+
+def test_resume_is_bit_exact(tiny_pair_dir, conversations, tmp_path):
+    run(config(tiny_pair_dir, conversations, tmp_path / "full", "train.save_every=100"))
+    run(config(tiny_pair_dir, conversations, tmp_path / "staged", "train.stop_at_step=3"))
+    run(config(tiny_pair_dir, conversations, tmp_path / "staged"), resume=True)
+    a = load_file(tmp_path / "full" / "draft" / "model.safetensors")
+    b = load_file(tmp_path / "staged" / "draft" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert train_losses(tmp_path / "full") == train_losses(tmp_path / "staged")
+
+
+def test_nan_is_skipped_counted_then_aborts(tiny_pair_dir, conversations, tmp_path):
+    result = run(config(tiny_pair_dir, conversations, tmp_path / "nan", "train.inject_nan_steps=[1,2]",
+                        "train.max_steps=4", "train.eval_prompts=0"))
+    assert result["nonfinite_total"] == 2
+    losses = train_losses(tmp_path / "nan")
+    assert losses[1] != losses[1] and losses[2] != losses[2] and losses[3] == losses[3]
+    with pytest.raises(NonFiniteLossError, match="3 consecutive non-finite"):
+        run(config(tiny_pair_dir, conversations, tmp_path / "nan2", "train.inject_nan_steps=[0,1,2,3]",
+                   "train.max_nonfinite=3", "train.eval_prompts=0"))
+
+
+def test_ce_objective_and_lora(tiny_pair_dir, conversations, tmp_path):
+    ce = run(config(tiny_pair_dir, conversations, tmp_path / "ce", "train.objective=ce", "train.max_steps=3",
+                    "train.eval_prompts=0"))
+    assert ce["steps"] == 3
+    lora = run(config(tiny_pair_dir, conversations, tmp_path / "lora", "draft.init=pretrained",
+                      f"draft.path={tiny_pair_dir / 'draft'}", "train.lora_r=4", "train.max_steps=3",
+                      "train.eval_prompts=0"))
+    assert lora["steps"] == 3
+    merged = load_file(tmp_path / "lora" / "draft" / "model.safetensors")
+    assert not any("lora" in key for key in merged)  # adapters merged on save
+
+
+def test_generated_and_onpolicy_and_cache_modes(tiny_pair_dir, conversations, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    common = ("generate.num_prompts=8", "generate.max_new_tokens=8", "generate.batch_size=4",
+              "train.max_steps=3", "train.eval_prompts=0")
+    for mode in ("generated", "onpolicy", "cache"):
+        extra = ("train.onpolicy_fraction=1.0", "train.onpolicy_new_tokens=6") if mode == "onpolicy" else ()
+        result = run(config(tiny_pair_dir, conversations, tmp_path / mode, f"train.data_mode={mode}", *common, *extra))
+        assert result["steps"] == 3 and result["loss_tokens"] > 0, mode
+    assert any((tmp_path / "cache" / "teacher").iterdir())
+
+
+def _cli(pair, data, out, *extra):
+    return [sys.executable, str(ROOT / "distill.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
+            *overrides(pair, data, out, *extra)]
+
+
+def test_sigterm_leaves_loadable_checkpoint(tiny_pair_dir, conversations, tmp_path):
+    out = tmp_path / "sig"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(_cli(tiny_pair_dir, conversations, out, "train.max_steps=100000", "train.save_every=100000",
+                                 "train.eval_prompts=0"), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "train_metrics.csv").exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode == 0, output
+    assert "stopped by signal" in output
+    ckpt = latest_checkpoint(out)
+    assert ckpt is not None and json.loads((ckpt / "trainer_state.json").read_text())["step"] >= 1
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+    step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+    result = run(config(tiny_pair_dir, conversations, out, f"train.max_steps={step + 2}", "train.eval_prompts=0"),
+                 resume=True)
+    assert result["steps"] == step + 2
+
+
+def test_two_process_gloo_matches_single(tiny_pair_dir, conversations, tmp_path):
+    single = tmp_path / "single"
+    run(config(tiny_pair_dir, conversations, single, "train.max_steps=2", "train.eval_prompts=0"))
+    double = tmp_path / "double"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           *_cli(tiny_pair_dir, conversations, double, "train.max_steps=2", "train.eval_prompts=0",
+                 "train.batch_size=1")[1:]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert train_losses(double) == pytest.approx(train_losses(single), rel=1e-4)
