@@ -58,7 +58,9 @@ def greedy_block_acceptance(agree: Sequence[float] | torch.Tensor, gamma: int) -
     ``agree[i]`` is 1 where the draft's argmax matches the target's token i. Along the target's greedy
     path this is exactly what greedy speculative decoding accepts: an accepted draft token equals the
     target's, and after a rejection the target's token is used, so the draft always sees the target's
-    prefix. Each block consumes its accepted tokens plus the target's bonus/correction token.
+    prefix. Each block consumes its accepted tokens plus the target's bonus/correction token. A final
+    block cut short by the end of the sequence is censored (we cannot know whether it would have been
+    accepted) and left out rather than counted as a rejection.
     """
     values = [float(a) for a in agree]
     counts, i = [], 0
@@ -66,6 +68,8 @@ def greedy_block_acceptance(agree: Sequence[float] | torch.Tensor, gamma: int) -
         n = 0
         while n < gamma and i + n < len(values) and values[i + n] >= 0.5:
             n += 1
+        if n < gamma and i + n == len(values):
+            break
         counts.append(n)
         i += n + 1
     return counts

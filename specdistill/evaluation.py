@@ -84,15 +84,18 @@ def time_step(model, context: int = 128, new: int = 1, repeats: int = 15) -> flo
     """Median seconds of a ``new``-token forward on top of a ``context``-token KV cache."""
     from transformers import DynamicCache
 
+    from .speculative import cache_kwarg
+
+    kwarg = cache_kwarg(model)
     vocab = model.config.vocab_size
     prefix = torch.randint(0, vocab, (1, context))
     times = []
     for _ in range(repeats):
         cache = DynamicCache(config=model.config)
-        model(input_ids=prefix, past_key_values=cache, use_cache=True)
+        model(input_ids=prefix, use_cache=True, **{kwarg: cache})
         step = torch.randint(0, vocab, (1, new))
         t0 = time.perf_counter()
-        model(input_ids=step, past_key_values=cache, use_cache=True)
+        model(input_ids=step, use_cache=True, **{kwarg: cache})
         times.append(time.perf_counter() - t0)
     return statistics.median(times[2:])
 

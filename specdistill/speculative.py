@@ -86,6 +86,14 @@ def _new_cache(model):
     return DynamicCache(config=model.config)
 
 
+def cache_kwarg(model) -> str:
+    """transformers renamed ``past_key_values`` to ``cache``; use whichever this version's forward takes."""
+    import inspect
+
+    forward = getattr(model, "inner", model).forward
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
 class _CachedModel:
     """A model plus its KV cache and the number of tokens that cache holds."""
 
@@ -93,18 +101,19 @@ class _CachedModel:
         self.model = model
         self.cache = _new_cache(model)
         self.length = 0
+        self.cache_kwarg = cache_kwarg(model)
 
     @torch.inference_mode()
     def feed(self, tokens: list[int]) -> torch.Tensor:
         """Run ``tokens`` on top of the cache; logits (len, V) for each fed position."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids=ids, use_cache=True, **{self.cache_kwarg: self.cache})
         self.length += len(tokens)
         return out.logits[0]
 
     def crop(self, length: int) -> None:
         if length < self.length:
-            self.cache.crop(length)
+            self.cache.crop(length - self.length)  # transformers ≥ 5.2x takes the number to drop, negated
             self.length = length
 
 
