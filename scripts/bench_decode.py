@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specdistill.data import load_mtbench  # noqa: E402
-from specdistill.models import load_model, load_tokenizer  # noqa: E402
-from specdistill.speculative import SpeculativeGenerator, target_only_generate  # noqa: E402
+from specdistill.data import load_mtbench
+from specdistill.models import load_model, load_tokenizer
+from specdistill.speculative import SpeculativeGenerator, target_only_generate
 
 
 def main() -> int:

@@ -107,6 +107,7 @@ class TrainConfig:
     temperature: float = 1.0
     ce_weight: float = 0.0  # mix of next-token CE into the distillation loss
     data_mode: str = "generated"  # fixed (ShareGPT replies) | generated (target's own) | onpolicy | cache
+    max_train_rows: int = 0  # 0 = the whole training set; otherwise its first N rows
     onpolicy_fraction: float = 0.25  # share of batches whose replies are sampled from the current draft
     onpolicy_new_tokens: int = 64
     teacher_top_k: int = 0  # 0 = full vocabulary; k keeps the teacher's top-k plus one tail bucket
@@ -150,7 +151,7 @@ class TrainConfig:
         for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "eval_every", "save_every", "keep_last",
                      "max_nonfinite", "chunk_size"):
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
-        for name in ("warmup_steps", "stop_at_step", "teacher_top_k", "lora_r", "eval_prompts", "max_minutes"):
+        for name in ("warmup_steps", "stop_at_step", "max_train_rows", "teacher_top_k", "lora_r", "eval_prompts", "max_minutes"):
             _check(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
         _check(self.cache_top_k >= 1, "train.cache_top_k", "must be >= 1")
         _check(self.data_mode != "cache" or self.temperature == 1.0, "train.temperature",

@@ -397,7 +397,7 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
         shard = datasets.Dataset.from_list(rows, features=GENERATED_FEATURES)
         from .assets import atomic_write_dir
 
-        atomic_write_dir(out_dir / f"shard-{index:05d}", lambda tmp: shard.save_to_disk(str(tmp)))
+        atomic_write_dir(out_dir / f"shard-{index:05d}", lambda tmp, shard=shard: shard.save_to_disk(str(tmp)))
         bar.set_postfix(tokens=sum(len(r["response_ids"]) for r in rows))
     return load_generated(out_dir)
 

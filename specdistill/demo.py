@@ -14,7 +14,7 @@ import torch
 from . import evaluation
 from .config import DemoConfig, DistillConfig, cli_args, load_config, record_run
 from .data import load_mtbench
-from .models import load_model, load_tokenizer
+from .models import build_draft, load_model, load_tokenizer
 from .speculative import SpeculativeGenerator, target_only_generate
 from .trainer import run as distill_run
 
@@ -30,10 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     draft_dir = Path(dcfg.output_dir) / "draft"
 
     print("== 2/3 acceptance on MT-bench: draft at init vs distilled")
-    d = dcfg.draft
-    init_spec = "init:fresh" if d.init == "fresh" else "init:layers=" + ",".join(map(str, d.layers))
+    # The same draft the preset trains, before training: built from the preset's own draft config.
+    tokenizer = load_tokenizer(dcfg.target.path)
+    init_dir = out / "draft-init"
+    init_draft = build_draft(load_model(dcfg.target.path, "float32"), dcfg.draft)
+    init_draft.save_pretrained(init_dir)
+    tokenizer.save_pretrained(init_dir)
+    del init_draft
     eval_dir = out / "eval"
-    evaluation.main(["--target", dcfg.target.path, "--draft", init_spec, "--name", "init",
+    evaluation.main(["--target", dcfg.target.path, "--draft", str(init_dir), "--name", "init",
                      "--draft", str(draft_dir), "--name", "distilled", "--prompts", "mtbench",
                      "--num-prompts", str(cfg.eval_prompts), "--max-new-tokens", str(cfg.eval_new_tokens),
                      "--gamma", cfg.gammas, "--output-dir", str(eval_dir)])
@@ -41,7 +46,6 @@ def main(argv: list[str] | None = None) -> int:
     best = report["drafts"]["distilled"]["best_gamma"]["0"]
 
     print(f"== 3/3 speculative decode of an MT-bench prompt (γ={best}, greedy, fp32)")
-    tokenizer = load_tokenizer(dcfg.target.path)
     target = load_model(dcfg.target.path, "float32")
     draft = load_model(str(draft_dir), "float32")
     question = load_mtbench()[cfg.question_index]

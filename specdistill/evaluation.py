@@ -12,6 +12,7 @@ The cost ratio c and verify cost v(γ) are timed on this machine with KV caches.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import time
@@ -20,10 +21,16 @@ from pathlib import Path
 
 import torch
 
-from .acceptance import expected_speedup, expected_tau, greedy_block_acceptance, per_position_acceptance, token_acceptance
+from .acceptance import (
+    expected_speedup,
+    expected_tau,
+    greedy_block_acceptance,
+    per_position_acceptance,
+    token_acceptance,
+)
 from .assets import cache_dir
 from .config import DraftConfig, record_run
-from .data import generate_responses, load_mtbench, load_sharegpt, split_records, sharegpt_prompts
+from .data import generate_responses, load_mtbench, load_sharegpt, sharegpt_prompts, split_records
 from .models import build_draft, check_pair, load_model, load_tokenizer, size_report
 from .trainer import pad_batch
 
@@ -56,7 +63,8 @@ def load_prompts(kind: str, n: int) -> list[tuple[str, str, list[dict]]]:
 
 
 def continuation_set(target, tokenizer, target_name: str, prompts, max_new_tokens: int, dtype: str) -> dict:
-    key = f"{Path(target_name).name}-{len(prompts)}-{hash(tuple(p[0] for p in prompts)) & 0xffffffff:x}-{max_new_tokens}-{dtype}"
+    ids = hashlib.sha256("\n".join(p[0] for p in prompts).encode()).hexdigest()[:12]  # str hash() is salted
+    key = f"{Path(target_name).name}-{len(prompts)}-{ids}-{max_new_tokens}-{dtype}"
     ds = generate_responses(target, tokenizer, [(pid, m) for pid, _, m in prompts], cache_dir() / "eval" / key,
                             max_prompt_tokens=1024, max_new_tokens=max_new_tokens, batch_size=8)
     category = {pid: cat for pid, cat, _ in prompts}

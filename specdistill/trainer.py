@@ -27,8 +27,13 @@ from .acceptance import expected_tau, greedy_block_acceptance, token_acceptance
 from .assets import atomic_write_dir, cache_dir
 from .config import DistillConfig, GenerateConfig, record_run, to_dict
 from .data import (
-    build_chat_dataset, generate_responses, generated_to_training, load_conversations, load_mtbench,
-    split_records, target_generated_dataset,
+    build_chat_dataset,
+    generate_responses,
+    generated_to_training,
+    load_conversations,
+    load_mtbench,
+    split_records,
+    target_generated_dataset,
 )
 from .losses import distill_loss, teacher_topk
 from .models import build_draft, check_pair, load_model, load_tokenizer, size_report
@@ -317,6 +322,8 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
                       f"({sizes['ratio_non_embedding']:.1%} without embeddings)")
 
     rows = training_rows(cfg, target, tokenizer, accelerator)
+    if tc.max_train_rows:
+        rows = rows.select(range(min(tc.max_train_rows, len(rows))))
     evalset = eval_set(target, tokenizer, cfg) if accelerator.is_main_process else None
     if tc.data_mode == "cache":
         cache_key = f"teacher-{rows._fingerprint}-k{tc.cache_top_k}-L{tc.seq_len}-{cfg.target.dtype}"
@@ -376,7 +383,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
 
     last_eval = evaluate(state["step"]) if state["step"] == 0 else {}
     started = time.perf_counter() - state["elapsed_s"]
-    bar = tqdm(total=tc.max_steps, initial=state["step"], desc=f"{tc.objective}:{kind}", unit="step",
+    bar = tqdm(total=tc.max_steps, initial=state["step"], desc="ce" if tc.objective == "ce" else f"distill:{kind}", unit="step",
                disable=not accelerator.is_main_process)
     world, rank = accelerator.num_processes, accelerator.process_index
     try:

@@ -6,7 +6,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdistill.acceptance import (
-    best_gamma, expected_speedup, expected_tau, greedy_block_acceptance, per_position_acceptance, tau_from_accepted,
+    best_gamma,
+    expected_speedup,
+    expected_tau,
+    greedy_block_acceptance,
+    per_position_acceptance,
+    tau_from_accepted,
     token_acceptance,
 )
 

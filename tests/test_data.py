@@ -6,7 +6,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdistill.data import (
-    DataError, format_chat, generate_responses, is_heldout, load_generated, load_sharegpt, parse_conversations,
+    DataError,
+    format_chat,
+    generate_responses,
+    is_heldout,
+    load_generated,
+    load_sharegpt,
+    parse_conversations,
     split_records,
 )
 

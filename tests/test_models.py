@@ -1,7 +1,7 @@
 import pytest
 import torch
-
 from conftest import make_llama, make_tokenizer
+
 from specdistill.config import DraftConfig
 from specdistill.models import PairMismatchError, build_draft, check_pair, count_params, size_report
 

@@ -1,9 +1,14 @@
 import pytest
 import torch
-
 from conftest import make_llama
+
 from specdistill.speculative import (
-    SamplingParams, SpeculativeGenerator, _CachedModel, target_only_generate, verify, warp,
+    SamplingParams,
+    SpeculativeGenerator,
+    _CachedModel,
+    target_only_generate,
+    verify,
+    warp,
 )
 
 VOCAB = 16

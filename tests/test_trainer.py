@@ -1,6 +1,7 @@
 """End-to-end tests of distill.py / train.py on a tiny random pair (seconds each)."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def conversations(tmp_path_factory):
     """A small ShareGPT-format file so the tests need neither the real data nor the network."""
-    words = "the sea sky fox dog poem capital France Paris draft model token quick brown lazy".split()
+    words = ["the", "sea", "sky", "fox", "dog", "poem", "capital", "France", "Paris", "draft", "model", "token", "quick", "brown", "lazy"]
     records = []
     for i in range(48):
         q = " ".join(words[(i + j) % len(words)] for j in range(6))
@@ -54,7 +55,7 @@ def test_distill_end_to_end(tiny_pair_dir, conversations, tmp_path):
     out = tmp_path / "run"
     result = run(config(tiny_pair_dir, conversations, out, "train.max_steps=12", "train.save_every=4"))
     losses = train_losses(out)
-    assert len(losses) == 12 and all(map(lambda x: x == x, losses))
+    assert len(losses) == 12 and not any(math.isnan(x) for x in losses)
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
     assert result["final_eval"]["eval_tokens"] > 0 and 0 <= result["final_eval"]["alpha_greedy"] <= 1
     for name in ("config.yaml", "run.json", "metrics.json", "curves.png", "eval_metrics.csv",
@@ -97,7 +98,7 @@ def test_nan_is_skipped_counted_then_aborts(tiny_pair_dir, conversations, tmp_pa
                         "train.max_steps=4", "train.eval_prompts=0"))
     assert result["nonfinite_total"] == 2
     losses = train_losses(tmp_path / "nan")
-    assert losses[1] != losses[1] and losses[2] != losses[2] and losses[3] == losses[3]
+    assert math.isnan(losses[1]) and math.isnan(losses[2]) and not math.isnan(losses[3])
     with pytest.raises(NonFiniteLossError, match="3 consecutive non-finite"):
         run(config(tiny_pair_dir, conversations, tmp_path / "nan2", "train.inject_nan_steps=[0,1,2,3]",
                    "train.max_nonfinite=3", "train.eval_prompts=0"))

@@ -15,7 +15,11 @@ import evaluate
 import torch
 
 from specdistill.acceptance import (
-    expected_tau, greedy_block_acceptance, per_position_acceptance, tau_from_accepted, token_acceptance,
+    expected_tau,
+    greedy_block_acceptance,
+    per_position_acceptance,
+    tau_from_accepted,
+    token_acceptance,
 )
 
 _DESCRIPTION = __doc__
