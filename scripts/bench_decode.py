@@ -40,6 +40,7 @@ def main() -> int:
                                              tokenize=True, return_dict=False) for q in load_mtbench()[: args.prompts]]
     eos = tokenizer.eos_token_id
     gen = SpeculativeGenerator(target, draft, gamma=args.gamma)
+    confident = SpeculativeGenerator(target, draft, gamma=args.gamma, schedule="confidence", confidence=0.4)
 
     def hf(prompt, assistant=None):
         ids = torch.tensor([prompt])
@@ -59,6 +60,8 @@ def main() -> int:
         "ours target-only": lambda p: _run(target_only_generate(target, p, args.max_new_tokens, eos)),
         f"HF assisted (γ={args.gamma})": lambda p: hf(p, draft),
         f"ours speculative greedy (γ={args.gamma})": lambda p: _run(gen.generate(p, args.max_new_tokens, eos)),
+        f"ours speculative greedy, confidence stop 0.4 (γ≤{args.gamma})":
+            lambda p: _run(confident.generate(p, args.max_new_tokens, eos)),
         f"ours speculative T=1 (γ={args.gamma})": lambda p: _run(gen.generate(p, args.max_new_tokens, eos,
                                                                               temperature=1.0, seed=0)),
     }

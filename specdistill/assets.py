@@ -75,6 +75,7 @@ def atomic_write_dir(final: Path, write) -> Path:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would make exported folders unreadable to a serving user
     try:
         write(tmp)
         if final.exists():

@@ -14,6 +14,7 @@ import torch
 from . import evaluation
 from .config import DemoConfig, DistillConfig, cli_args, load_config, record_run
 from .data import load_mtbench
+from .export import export
 from .models import build_draft, load_model, load_tokenizer
 from .speculative import SpeculativeGenerator, target_only_generate
 from .trainer import run as distill_run
@@ -25,11 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     out = record_run(cfg.output_dir, cfg)
     dcfg = load_config(DistillConfig, cfg.distill_config, [f"output_dir={out / 'distill'}", *cfg.distill_overrides])
 
-    print(f"== 1/3 distil ({cfg.distill_config})")
+    print(f"== 1/4 distil ({cfg.distill_config})")
     trained = distill_run(dcfg)
     draft_dir = Path(dcfg.output_dir) / "draft"
 
-    print("== 2/3 acceptance on MT-bench: draft at init vs distilled")
+    print("== 2/4 acceptance on MT-bench: draft at init vs distilled")
     # The same draft the preset trains, before training: built from the preset's own draft config.
     tokenizer = load_tokenizer(dcfg.target.path)
     init_dir = out / "draft-init"
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads((eval_dir / "metrics.json").read_text())
     best = report["drafts"]["distilled"]["best_gamma"]["0"]
 
-    print(f"== 3/3 speculative decode of an MT-bench prompt (γ={best}, greedy, fp32)")
+    print(f"== 3/4 speculative decode of an MT-bench prompt (γ={best}, greedy, fp32)")
     target = load_model(dcfg.target.path, "float32")
     draft = load_model(str(draft_dir), "float32")
     question = load_mtbench()[cfg.question_index]
@@ -68,12 +69,17 @@ def main(argv: list[str] | None = None) -> int:
         "distill_minutes": trained["elapsed_s"] / 60,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("| | init | distilled |\n|---|---|---|")
+    print("== 4/4 export for serving (HF folder + GGUF f16)")
+    exported = export(str(draft_dir), dcfg.target.path, out / "export", str(eval_dir / "metrics.json"), force=True,
+                      gguf_dtype="f16")
+    for engine, (ok, why) in exported["checks"].items():
+        print(f"  {'OK' if ok else 'NO'} {engine}: {why}")
+    print("\n| | init | distilled |\n|---|---|---|")
     print(f"| draft size (of target params) | {summary['draft_ratio']:.1%} | {summary['draft_ratio']:.1%} |")
     print(f"| α greedy | {summary['alpha_greedy']['init']:.3f} | {summary['alpha_greedy']['distilled']:.3f} |")
     print(f"| α T=1 | {summary['alpha_t1']['init']:.3f} | {summary['alpha_t1']['distilled']:.3f} |")
     print(f"\nτ at best γ={best}: {summary['tau_best_gamma']:.2f}; measured decode speedup vs target-only "
           f"(1 prompt, fp32): {speedup:.2f}× (greedy identical: {summary['greedy_identical']})")
     print(f"report: {eval_dir}/report.md  plots: {eval_dir}/*.png  curves: {dcfg.output_dir}/curves.png  "
-          f"draft: {draft_dir}\nExport for serving engines is not implemented yet.")
+          f"exported: {exported['out']} (serving commands: docs/serving.md)")
     return 0
