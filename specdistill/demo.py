@@ -1,7 +1,9 @@
 """What ``make demo`` runs: the embedded default end to end.
 
-distil (quick preset, target-generated data cached after the first run) → acceptance of the draft at init
-vs distilled on MT-bench → a speculative decode of one MT-bench prompt against target-only decoding.
+Train the draft with the quick CE preset (sequence-level KD on the target's own replies: the best measured
+recipe per CPU-minute; target-generated data is cached after the first run) → acceptance of the draft at
+init vs trained on MT-bench → a speculative decode of one MT-bench prompt against target-only decoding →
+export for serving.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     out = record_run(cfg.output_dir, cfg)
     dcfg = load_config(DistillConfig, cfg.distill_config, [f"output_dir={out / 'distill'}", *cfg.distill_overrides])
 
-    print(f"== 1/4 distil ({cfg.distill_config})")
+    what = "CE on target-generated replies" if dcfg.train.objective == "ce" else f"{dcfg.train.loss} distillation"
+    print(f"== 1/4 train the draft: {what} ({cfg.distill_config})")
     trained = distill_run(dcfg)
     draft_dir = Path(dcfg.output_dir) / "draft"
 
-    print("== 2/4 acceptance on MT-bench: draft at init vs distilled")
+    print("== 2/4 acceptance on MT-bench: draft at init vs trained")
     # The same draft the preset trains, before training: built from the preset's own draft config.
     tokenizer = load_tokenizer(dcfg.target.path)
     init_dir = out / "draft-init"
@@ -40,11 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     del init_draft
     eval_dir = out / "eval"
     evaluation.main(["--target", dcfg.target.path, "--draft", str(init_dir), "--name", "init",
-                     "--draft", str(draft_dir), "--name", "distilled", "--prompts", "mtbench",
+                     "--draft", str(draft_dir), "--name", "trained", "--prompts", "mtbench",
                      "--num-prompts", str(cfg.eval_prompts), "--max-new-tokens", str(cfg.eval_new_tokens),
                      "--gamma", cfg.gammas, "--output-dir", str(eval_dir)])
     report = json.loads((eval_dir / "metrics.json").read_text())
-    best = report["drafts"]["distilled"]["best_gamma"]["0"]
+    best = report["drafts"]["trained"]["best_gamma"]["0"]
 
     print(f"== 3/4 speculative decode of an MT-bench prompt (γ={best}, greedy, fp32)")
     target = load_model(dcfg.target.path, "float32")
@@ -60,10 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     speedup = spec.stats["tokens_per_s"] / ref.stats["tokens_per_s"]
     rows = report["drafts"]
     summary = {
-        "draft_ratio": rows["distilled"]["sizes"]["ratio_total"],
-        "alpha_greedy": {k: rows[k]["alpha"]["0"] for k in ("init", "distilled")},
-        "alpha_t1": {k: rows[k]["alpha"]["1"] for k in ("init", "distilled")},
-        "best_gamma": best, "tau_best_gamma": rows["distilled"]["tau"][f"0/{best}"],
+        "draft_ratio": rows["trained"]["sizes"]["ratio_total"],
+        "alpha_greedy": {k: rows[k]["alpha"]["0"] for k in ("init", "trained")},
+        "alpha_t1": {k: rows[k]["alpha"]["1"] for k in ("init", "trained")},
+        "best_gamma": best, "tau_best_gamma": rows["trained"]["tau"][f"0/{best}"],
         "decode_tau": spec.stats["tau"], "measured_speedup": speedup,
         "greedy_identical": spec.tokens == ref.tokens, "distill_steps": trained["steps"],
         "distill_minutes": trained["elapsed_s"] / 60,
@@ -74,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
                       gguf_dtype="f16")
     for engine, (ok, why) in exported["checks"].items():
         print(f"  {'OK' if ok else 'NO'} {engine}: {why}")
-    print("\n| | init | distilled |\n|---|---|---|")
+    print("\n| | init | trained |\n|---|---|---|")
     print(f"| draft size (of target params) | {summary['draft_ratio']:.1%} | {summary['draft_ratio']:.1%} |")
-    print(f"| α greedy | {summary['alpha_greedy']['init']:.3f} | {summary['alpha_greedy']['distilled']:.3f} |")
-    print(f"| α T=1 | {summary['alpha_t1']['init']:.3f} | {summary['alpha_t1']['distilled']:.3f} |")
+    print(f"| α greedy | {summary['alpha_greedy']['init']:.3f} | {summary['alpha_greedy']['trained']:.3f} |")
+    print(f"| α T=1 | {summary['alpha_t1']['init']:.3f} | {summary['alpha_t1']['trained']:.3f} |")
     print(f"\nτ at best γ={best}: {summary['tau_best_gamma']:.2f}; measured decode speedup vs target-only "
           f"(1 prompt, fp32): {speedup:.2f}× (greedy identical: {summary['greedy_identical']})")
     print(f"report: {eval_dir}/report.md  plots: {eval_dir}/*.png  curves: {dcfg.output_dir}/curves.png  "

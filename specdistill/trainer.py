@@ -10,7 +10,9 @@ skipping, and a final HF folder for the draft.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import functools
 import json
 import math
 import os
@@ -85,17 +87,20 @@ def pad_batch(rows: list[dict], seq_len: int, pad_id: int) -> dict:
     return {"input_ids": ids, "attention_mask": attention, "select": mask[:, 1:], "labels": ids[:, 1:][mask[:, 1:]]}
 
 
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, num_rows: int) -> tuple[int, ...]:
+    order = list(range(num_rows))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return tuple(order)
+
+
 def micro_batch_rows(step: int, micro: int, cfg, world: int, rank: int, num_rows: int) -> list[int]:
     """Row indices for one process's micro-batch: a fixed permutation per epoch, so order survives resume."""
-    per_step = cfg.batch_size * cfg.grad_accum * world
     start = (step * cfg.grad_accum + micro) * cfg.batch_size * world
     rows = []
     for offset in range(start + rank, start + cfg.batch_size * world, world):
         epoch, position = divmod(offset, num_rows)
-        order = list(range(num_rows))
-        random.Random(cfg.seed * 1_000_003 + epoch).shuffle(order)
-        rows.append(order[position])
-    del per_step
+        rows.append(_epoch_order(cfg.seed, epoch, num_rows)[position])
     return rows
 
 
@@ -386,6 +391,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
     bar = tqdm(total=tc.max_steps, initial=state["step"], desc="ce" if tc.objective == "ce" else f"distill:{kind}", unit="step",
                disable=not accelerator.is_main_process)
     world, rank = accelerator.num_processes, accelerator.process_index
+    saved_at = state["step"] if resume else -1
     try:
         while state["step"] < tc.max_steps:
             step = state["step"]
@@ -420,7 +426,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
                     with torch.inference_mode():
                         teacher = teacher_topk(teacher[0].float() @ teacher[1].float().T, tc.teacher_top_k)
                     teacher = (teacher[0].clone(), teacher[1].clone())
-                sync = accelerator.no_sync(module) if i < len(micro_batches) - 1 else _nullcontext()
+                sync = accelerator.no_sync(module) if i < len(micro_batches) - 1 else contextlib.nullcontext()
                 with sync:
                     loss_sum = module(batch["input_ids"], batch["attention_mask"], batch["select"], teacher,
                                       batch["labels"], kind, tc.beta, tc.temperature, ce_weight, tc.chunk_size)
@@ -466,6 +472,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
             out_of_time = out_of_time or state["step"] == tc.stop_at_step
             if state["step"] % tc.save_every == 0 or stop["signal"] or out_of_time:
                 save_checkpoint(accelerator, out, state, tc.keep_last)
+                saved_at = state["step"]
             if stop["signal"]:
                 accelerator.print(f"stopped by signal {stop['signal']} at step {state['step']}; checkpoint saved, "
                                   f"continue with --resume")
@@ -482,24 +489,15 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
     result = {"steps": state["step"], "loss_tokens": state["tokens"], "elapsed_s": state["elapsed_s"],
               "nonfinite_total": state["nonfinite_total"], "sizes": sizes, "final_eval": last_eval,
               "interrupted": bool(stop["signal"])}
+    if not stop["signal"] and saved_at != state["step"]:
+        save_checkpoint(accelerator, out, state, tc.keep_last)  # the final state, unless just saved
     if accelerator.is_main_process and not stop["signal"]:
-        save_checkpoint(accelerator, out, state, tc.keep_last) if state["step"] % tc.save_every else None
         save_draft(base_draft, tokenizer, out / "draft", {"target": cfg.target.path, "sizes": sizes,
                                                           "final_eval": last_eval, "config": to_dict(cfg)})
         (out / "metrics.json").write_text(json.dumps(result, indent=2))
         plot_curves(history, out / "curves.png", title=f"{tc.objective} ({kind}), {cfg.output_dir}")
-    elif not stop["signal"]:
-        save_checkpoint(accelerator, out, state, tc.keep_last) if state["step"] % tc.save_every else None
     accelerator.end_training()
     return result
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def plot_curves(history: list[dict], path: Path, title: str = "") -> None:
