@@ -201,7 +201,7 @@ def resolve_draft(spec: str, target):
             cfg = DraftConfig(init="target_layers", layers=[int(x) for x in what[7:].split(",")])
         else:
             raise ValueError(f"unknown draft spec '{spec}' (use a folder, init:fresh or init:layers=0,29)")
-        return build_draft(target.float(), cfg).eval(), None
+        return build_draft(target, cfg).eval(), None
     return load_model(spec, "float32"), load_tokenizer(spec)
 
 

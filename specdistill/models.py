@@ -160,6 +160,7 @@ def build_draft(target, cfg: DraftConfig):
     if hasattr(config, "layer_types") and getattr(config, "layer_types", None) is not None:
         config.layer_types = [tc.layer_types[i] for i in cfg.layers] if cfg.init == "target_layers" else config.layer_types
     torch.manual_seed(0)
+    config.dtype = torch.float32  # the draft trains in fp32 (autocast does the rest) whatever the target's dtype
     draft = type(target)(config).to(torch.float32)
     width, full = config.hidden_size, tc.hidden_size
     narrow = width < full

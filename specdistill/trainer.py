@@ -309,9 +309,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
 
     tokenizer = load_tokenizer(cfg.target.path)
     target = load_model(cfg.target.path, cfg.target.dtype).to(accelerator.device)
-    draft = build_draft(target if cfg.target.dtype == "float32" else target.float(), cfg.draft)
-    if cfg.target.dtype != "float32":
-        target = target.to(torch.bfloat16)  # build_draft read fp32 copies; the teacher runs in bf16
+    draft = build_draft(target, cfg.draft)  # reads fp32 copies of the weights; the teacher keeps its dtype
     check_pair(tokenizer, load_tokenizer(cfg.draft.path) if cfg.draft.init == "pretrained" else tokenizer,
                target.config, draft.config)
     sizes = size_report(draft, target)
