@@ -32,7 +32,7 @@ from .assets import cache_dir
 from .config import DraftConfig, record_run
 from .data import generate_responses, load_mtbench, load_sharegpt, sharegpt_prompts, split_records
 from .models import build_draft, check_pair, load_model, load_tokenizer, size_report
-from .trainer import pad_batch
+from .trainer import logits_at_targets
 
 
 def parse_gammas(text: str) -> list[int]:
@@ -72,19 +72,6 @@ def continuation_set(target, tokenizer, target_name: str, prompts, max_new_token
              "loss_mask": [0] * len(r["prompt_ids"]) + [1] * len(r["response_ids"]),
              "category": category[r["prompt_id"]]} for r in ds]
     return {"rows": rows}
-
-
-@torch.no_grad()
-def logits_at_targets(model, rows, pad_id: int, batch_size: int = 8) -> list[torch.Tensor]:
-    """Per row: the model's logits at every position predicting a continuation token (float32)."""
-    out = []
-    for i in range(0, len(rows), batch_size):
-        chunk = rows[i: i + batch_size]
-        batch = pad_batch(chunk, 1 << 16, pad_id)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-        for j in range(len(chunk)):
-            out.append(logits[j][batch["select"][j]].float())
-    return out
 
 
 @torch.no_grad()

@@ -71,7 +71,7 @@ def model_card(meta: dict) -> str:
              f"{sizes['ratio_non_embedding']:.1%} without embeddings)",
              f"- suggested draft length γ: {gamma}"]
     if acc:
-        lines.append(f"- measured acceptance: " + ", ".join(f"α(T={t})={v:.3f}" for t, v in acc.get("alpha", {}).items()))
+        lines.append("- measured acceptance: " + ", ".join(f"α(T={t})={v:.3f}" for t, v in acc.get("alpha", {}).items()))
     lines += ["", "## Serving", "", "```python",
               "target.generate(**inputs, assistant_model=AutoModelForCausalLM.from_pretrained(\"<this folder>\"))",
               "```", "```bash",

@@ -192,36 +192,37 @@ def eval_set(target, tokenizer, cfg: DistillConfig) -> dict | None:
     key = f"{Path(cfg.target.path).name}-mtbench{n}-{gen.max_new_tokens}-{cfg.target.dtype}-L{gen.max_prompt_tokens}"
     ds = generate_responses(target, tokenizer, prompts, cache_dir() / "eval" / key, gen.max_prompt_tokens,
                             gen.max_new_tokens, gen.batch_size)
-    rows = [r for r in generated_to_training(ds)]
-    batch = pad_batch(rows, gen.max_prompt_tokens + gen.max_new_tokens, tokenizer.pad_token_id)
-    logits = []
-    with torch.inference_mode():
-        for i in range(0, len(rows), 8):
-            out = target(input_ids=batch["input_ids"][i:i + 8], attention_mask=batch["attention_mask"][i:i + 8])
-            logits.append(out.logits[:, :-1][batch["select"][i:i + 8]].to(torch.bfloat16))
-    return {"batch": batch, "target_logits": torch.cat(logits), "rows": len(rows)}
+    rows = list(generated_to_training(ds))
+    return {"rows": rows, "pad_id": tokenizer.pad_token_id,
+            "target_logits": logits_at_targets(target, rows, tokenizer.pad_token_id, dtype=torch.bfloat16)}
 
 
 @torch.no_grad()
+def logits_at_targets(model, rows, pad_id: int, batch_size: int = 8, dtype=torch.float32) -> list[torch.Tensor]:
+    """Per row: the model's logits at every position that predicts a loss token, in eval mode."""
+    was_training = model.training
+    model.eval()
+    out = []
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i: i + batch_size]
+        batch = pad_batch(chunk, 1 << 16, pad_id)  # padded per chunk, never cut
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        out += [logits[j][batch["select"][j]].to(dtype) for j in range(len(chunk))]
+    model.train(was_training)
+    return out
+
+
 def evaluate_acceptance(draft, evalset: dict, gamma: int = 5) -> dict:
-    batch = evalset["batch"]
-    was_training = draft.training
-    draft.eval()
-    draft_logits = []
-    for i in range(0, batch["input_ids"].shape[0], 8):
-        out = draft(input_ids=batch["input_ids"][i:i + 8], attention_mask=batch["attention_mask"][i:i + 8])
-        draft_logits.append(out.logits[:, :-1][batch["select"][i:i + 8]].float())
-    draft.train(was_training)
-    q = torch.cat(draft_logits)
-    p = evalset["target_logits"].float()
-    greedy = token_acceptance(p, q, 0.0)
-    sampled = token_acceptance(p, q, 1.0)
-    counts, offset = [], 0
-    for n in batch["select"].sum(1).tolist():
-        counts += greedy_block_acceptance(greedy[offset: offset + n], gamma)
-        offset += n
+    draft_logits = logits_at_targets(draft, evalset["rows"], evalset["pad_id"])
+    greedy, sampled, counts = [], [], []
+    for p, q in zip(evalset["target_logits"], draft_logits):
+        agree = token_acceptance(p.float(), q, 0.0)
+        greedy.append(agree)
+        sampled.append(token_acceptance(p.float(), q, 1.0))
+        counts += greedy_block_acceptance(agree, gamma)
+    greedy = torch.cat(greedy)
     alpha = greedy.mean().item()
-    return {"alpha_greedy": alpha, "alpha_t1": sampled.mean().item(),
+    return {"alpha_greedy": alpha, "alpha_t1": torch.cat(sampled).mean().item(),
             f"tau_greedy_g{gamma}": sum(c + 1 for c in counts) / max(len(counts), 1),
             f"tau_iid_g{gamma}": expected_tau(alpha, gamma), "eval_tokens": int(greedy.numel())}
 
