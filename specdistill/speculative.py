@@ -80,12 +80,6 @@ class GenerationOutput:
     stats: dict = field(default_factory=dict)
 
 
-def _new_cache(model):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=model.config)
-
-
 def cache_kwarg(model) -> str:
     """transformers renamed ``past_key_values`` to ``cache``; use whichever this version's forward takes."""
     import inspect
@@ -95,26 +89,105 @@ def cache_kwarg(model) -> str:
 
 
 class _CachedModel:
-    """A model plus its KV cache and the number of tokens that cache holds."""
+    """A model, its KV cache for a batch of rows, and which cache slots each row may attend to.
 
-    def __init__(self, model):
+    Rows advance by different amounts per step. A row's rejected slots stay in the cache as holes that the
+    attention mask hides (RoPE positions come from ``lengths``, not from slot indices); slots no row needs
+    are cropped off the end, and holes are squeezed out once they fill half the cache. With one row there
+    are never holes, so no mask is built and the forward is the plain cached one.
+    """
+
+    def __init__(self, model, batch: int = 1):
+        from transformers import DynamicCache
+
         self.model = model
-        self.cache = _new_cache(model)
-        self.length = 0
+        self.cache = DynamicCache(config=model.config)
         self.cache_kwarg = cache_kwarg(model)
+        self.valid = torch.zeros(batch, 0, dtype=torch.bool)
+        self.lengths = [0] * batch  # context tokens per row = the next RoPE position
+        self.compact_above = 32  # slots; below this, holes cost less than moving the cache
+        self.compactions = 0
 
-    @torch.inference_mode()
-    def feed(self, tokens: list[int]) -> torch.Tensor:
-        """Run ``tokens`` on top of the cache; logits (len, V) for each fed position."""
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.model.device)
-        out = self.model(input_ids=ids, use_cache=True, **{self.cache_kwarg: self.cache})
-        self.length += len(tokens)
-        return out.logits[0]
+    @property
+    def length(self) -> int:  # batch-1 convenience
+        return self.lengths[0]
 
-    def crop(self, length: int) -> None:
-        if length < self.length:
-            self.cache.crop(length - self.length)  # transformers ≥ 5.2x takes the number to drop, negated
-            self.length = length
+    @torch.no_grad()  # not inference_mode: the slot mask is edited in place between forwards
+    def feed(self, rows: list[list[int]]) -> list[torch.Tensor]:
+        """Append each row's tokens (rows may differ in length, even be empty); per-row logits (len_b, V)."""
+        width = max(len(r) for r in rows)
+        if width == 0:
+            return [torch.empty(0) for _ in rows]
+        batch = len(rows)
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+        offsets = torch.arange(width)
+        positions = torch.tensor(self.lengths).unsqueeze(1) + offsets
+        fed = offsets.unsqueeze(0) < torch.tensor([len(r) for r in rows]).unsqueeze(1)
+        # Padding slots are visible during this forward (only to later padding, by causality) so no query row
+        # is fully masked — a fully masked row gives NaN keys/values that would poison later attention.
+        visible = torch.cat([self.valid, torch.ones(batch, width, dtype=torch.bool)], dim=1)
+        mask = None if bool(visible.all()) else visible.long()
+        out = self.model(input_ids=ids.to(self.model.device), attention_mask=mask,
+                         position_ids=positions.to(self.model.device), use_cache=True,
+                         **{self.cache_kwarg: self.cache})
+        self.valid = torch.cat([self.valid, fed], dim=1)
+        self.lengths = [n + len(r) for n, r in zip(self.lengths, rows)]
+        return [out.logits[b, : len(r)] for b, r in enumerate(rows)]
+
+    def keep(self, row: int, length: int) -> None:
+        """Roll ``row`` back to its first ``length`` context tokens."""
+        if length >= self.lengths[row]:
+            return
+        slots = self.valid[row].nonzero().squeeze(1)
+        self.valid[row, slots[length:]] = False
+        self.lengths[row] = length
+
+    def crop(self, length: int) -> None:  # batch-1 convenience
+        self.keep(0, length)
+        self._trim()
+
+    def _trim(self) -> None:
+        used = self.valid.any(0).nonzero()
+        tail = self.valid.shape[1] - (int(used[-1]) + 1 if used.numel() else 0)
+        if tail:
+            self.cache.crop(-tail)  # transformers ≥ 5.2x takes the number of slots to drop, negated
+            self.valid = self.valid[:, : self.valid.shape[1] - tail]
+        size = self.valid.shape[1]
+        if size > self.compact_above and 2 * max(self.lengths) < size:
+            self._compact()
+
+    def _compact(self) -> None:
+        # Move each row's valid slots to the right end (stable, so their order is kept), then drop the
+        # leading columns that are holes in every row.
+        order = torch.sort(self.valid.long(), dim=1, stable=True).indices
+        drop = self.valid.shape[1] - max(self.lengths)
+        order = order[:, drop:]
+        for layer in self.cache.layers:
+            index = order.to(layer.keys.device)[:, None, :, None]
+            layer.keys = layer.keys.gather(2, index.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            layer.values = layer.values.gather(2, index.expand(-1, layer.values.shape[1], -1,
+                                                               layer.values.shape[3]))
+        self.valid = self.valid.gather(1, order)
+        self.compactions += 1
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows (finished ones leave the batch)."""
+        self.cache.batch_select_indices(torch.tensor(rows, device=self.model.device))
+        self.valid = self.valid[rows]
+        self.lengths = [self.lengths[r] for r in rows]
+        self._trim()
+
+
+def _eos_set(eos_token_id) -> set[int]:
+    return set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+
+
+def _finish(new: list[int], eos: set[int], budget: int) -> list[int]:
+    for j, token in enumerate(new):
+        if token in eos:
+            new = new[: j + 1]
+            break
+    return new[:budget]
 
 
 class SpeculativeGenerator:
@@ -131,111 +204,180 @@ class SpeculativeGenerator:
         self.target, self.draft = target.eval(), draft.eval()
         self.gamma, self.schedule, self.confidence, self.max_gamma = gamma, schedule, confidence, max_gamma
 
+    def stream_batch(self, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id=None,
+                     params: SamplingParams | None = None, seed: int | None = None,
+                     stats: list[dict] | None = None) -> Iterator[list[list[int]]]:
+        """Decode several prompts together; yield each row's newly accepted tokens (maybe none) per step.
+
+        Every row keeps its own accepted count, draft length and stop; finished rows leave the batch.
+        ``stats`` (one dict per row, if given) is filled as it runs.
+        """
+        params = params or SamplingParams()
+        eos = _eos_set(eos_token_id)
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        batch = len(prompts)
+        stats = stats if stats is not None else [{} for _ in prompts]
+        stats.extend({} for _ in range(batch - len(stats)))
+        for s in stats:
+            s.update(accepted=[], drafted=[], target_calls=0, draft_calls=0)
+        tokens = [list(p) for p in prompts]
+        produced, gammas = [0] * batch, [self.gamma] * batch
+        active = list(range(batch))  # original row index of each batch slot
+        target, draft = _CachedModel(self.target, batch), _CachedModel(self.draft, batch)
+        start = time.perf_counter()
+        # Prefill all but the last prompt token; each step feeds the last emitted token first.
+        target.feed([t[:-1] for t in tokens])
+        draft.feed([t[:-1] for t in tokens])
+        while active:
+            blocks = [min(gammas[r], max(max_new_tokens - produced[r] - 1, 0)) for r in active]
+            for slot, r in enumerate(active):
+                draft.keep(slot, min(draft.lengths[slot], len(tokens[r]) - 1))
+            draft._trim()
+            pending = [tokens[r][draft.lengths[slot]:] for slot, r in enumerate(active)]
+            proposals = [[] for _ in active]
+            q_rows = [[] for _ in active]
+            proposing = [block > 0 for block in blocks]
+            for i in range(max(blocks)):
+                rows = [pending[s] if proposing[s] and i < blocks[s] else [] for s in range(len(active))]
+                if not any(rows):
+                    break
+                logits = draft.feed(rows)
+                for s, r in enumerate(active):
+                    if not rows[s]:
+                        proposing[s] = False
+                        continue
+                    last = logits[s][-1]
+                    stats[r]["draft_calls"] += 1
+                    if params.greedy:
+                        token = int(last.argmax())
+                        confident = (torch.softmax(last.float(), -1).max() if self.schedule == "confidence"
+                                     else 1.0)
+                    else:
+                        q = warp(last, params)
+                        token = int(torch.multinomial(q, 1, generator=generator))
+                        q_rows[s].append(q)
+                        confident = q.max() if self.schedule == "confidence" else 1.0
+                    proposals[s].append(token)
+                    pending[s] = [token]
+                    if self.schedule == "confidence" and confident < self.confidence:
+                        proposing[s] = False
+            logits = target.feed([[tokens[r][-1]] + proposals[s] for s, r in enumerate(active)])
+            emitted = [[] for _ in range(batch)]
+            still = []
+            for s, r in enumerate(active):
+                proposal = proposals[s]
+                stats[r]["target_calls"] += 1
+                if params.greedy:
+                    choice = logits[s].argmax(-1).tolist()
+                    n = 0
+                    while n < len(proposal) and proposal[n] == choice[n]:
+                        n += 1
+                    new = proposal[:n] + [choice[n]]
+                else:
+                    p = warp(logits[s], params)
+                    q = torch.stack(q_rows[s]) if q_rows[s] else p.new_zeros((0, p.shape[-1]))
+                    n, nxt = verify(p, q, torch.tensor(proposal, dtype=torch.long), generator)
+                    new = proposal[:n] + [nxt]
+                # The target cache keeps the context through the accepted drafts; the new last token is fed next.
+                target.keep(s, len(tokens[r]) + n)
+                stats[r]["accepted"].append(n)
+                stats[r]["drafted"].append(len(proposal))
+                if self.schedule == "heuristic":  # HF assisted generation's schedule
+                    gammas[r] = min(self.max_gamma, gammas[r] + 2) if n == len(proposal) else max(1, gammas[r] - 1)
+                new = _finish(new, eos, max_new_tokens - produced[r])
+                tokens[r] += new
+                produced[r] += len(new)
+                emitted[r] = new
+                if "ttft_s" not in stats[r]:
+                    stats[r]["ttft_s"] = time.perf_counter() - start
+                done = produced[r] >= max_new_tokens or (new and new[-1] in eos)
+                if done:
+                    seconds = time.perf_counter() - start
+                    stats[r].update(new_tokens=produced[r], seconds=seconds, tokens_per_s=produced[r] / seconds,
+                                    tau=produced[r] / max(stats[r]["target_calls"], 1))
+                else:
+                    still.append(s)
+            if not still:
+                active = []
+            elif len(still) < len(active):
+                target.select(still)
+                draft.select(still)
+                active = [active[s] for s in still]
+            else:
+                target._trim()
+            yield emitted
+
     def stream(self, prompt_ids: list[int], max_new_tokens: int = 128, eos_token_id: int | list[int] | None = None,
                params: SamplingParams | None = None, seed: int | None = None, stats: dict | None = None
                ) -> Iterator[list[int]]:
         """Yield the newly accepted tokens of every step; ``stats`` (if given) is filled as it runs."""
-        params = params or SamplingParams()
-        eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
         stats = stats if stats is not None else {}
-        stats.update(accepted=[], drafted=[], target_calls=0, draft_calls=0)
-        target, draft = _CachedModel(self.target), _CachedModel(self.draft)
-        tokens = list(prompt_ids)
-        if not tokens:
-            raise ValueError("empty prompt")
-        start = time.perf_counter()
-        # Prefill all but the last prompt token; each step feeds the last emitted token first.
-        if len(tokens) > 1:
-            target.feed(tokens[:-1])
-            draft.feed(tokens[:-1])
-        produced, gamma = 0, self.gamma
-        while produced < max_new_tokens:
-            budget = max_new_tokens - produced
-            block = min(gamma, max(budget - 1, 0))
-            proposal, q_rows = [], []
-            draft.crop(min(draft.length, len(tokens) - 1))
-            pending = tokens[draft.length:]
-            for i in range(block):
-                logits = draft.feed(pending)[-1]
-                stats["draft_calls"] += 1
-                if params.greedy:
-                    token = int(logits.argmax())
-                    confident = torch.softmax(logits.float(), -1).max() if self.schedule == "confidence" else 1.0
-                else:
-                    q = warp(logits, params)
-                    token = int(torch.multinomial(q, 1, generator=generator))
-                    q_rows.append(q)
-                    confident = q.max() if self.schedule == "confidence" else 1.0
-                proposal.append(token)
-                pending = [token]
-                if self.schedule == "confidence" and confident < self.confidence:
-                    break
-            logits = target.feed([tokens[-1]] + proposal)
-            stats["target_calls"] += 1
-            if params.greedy:
-                choice = logits.argmax(-1).tolist()
-                n = 0
-                while n < len(proposal) and proposal[n] == choice[n]:
-                    n += 1
-                new = proposal[:n] + [choice[n]]
-            else:
-                p = warp(logits, params)
-                q = torch.stack(q_rows) if q_rows else p.new_zeros((0, p.shape[-1]))
-                n, nxt = verify(p, q, torch.tensor(proposal, dtype=torch.long), generator)
-                new = proposal[:n] + [nxt]
-            # Target cache holds the context through the accepted drafts; the new last token is fed next step.
-            target.crop(len(tokens) + n)
-            stats["accepted"].append(n)
-            stats["drafted"].append(len(proposal))
-            if self.schedule == "heuristic":  # HF assisted generation's schedule
-                gamma = min(self.max_gamma, gamma + 2) if n == len(proposal) else max(1, gamma - 1)
-            for j, token in enumerate(new):
-                if token in eos:
-                    new = new[: j + 1]
-                    break
-            new = new[:budget]
-            tokens += new
-            produced += len(new)
-            if "ttft_s" not in stats:
-                stats["ttft_s"] = time.perf_counter() - start
-            yield new
-            if new and new[-1] in eos:
-                break
-        seconds = time.perf_counter() - start
-        stats.update(new_tokens=produced, seconds=seconds, tokens_per_s=produced / seconds if seconds else 0.0,
-                     tau=produced / max(stats["target_calls"], 1))
+        for emitted in self.stream_batch([list(prompt_ids)], max_new_tokens, eos_token_id, params, seed, [stats]):
+            yield emitted[0]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 128, eos_token_id=None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None
                  ) -> GenerationOutput:
-        stats: dict = {}
-        tokens = []
-        for chunk in self.stream(prompt_ids, max_new_tokens, eos_token_id, SamplingParams(temperature, top_k, top_p),
-                                 seed, stats):
-            tokens += chunk
-        return GenerationOutput(tokens, stats)
+        return self.generate_batch([prompt_ids], max_new_tokens, eos_token_id, temperature, top_k, top_p, seed)[0]
+
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id=None,
+                       temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None
+                       ) -> list[GenerationOutput]:
+        stats: list[dict] = [{} for _ in prompts]
+        tokens: list[list[int]] = [[] for _ in prompts]
+        for emitted in self.stream_batch(prompts, max_new_tokens, eos_token_id,
+                                         SamplingParams(temperature, top_k, top_p), seed, stats):
+            for row, new in zip(tokens, emitted):
+                row += new
+        return [GenerationOutput(t, s) for t, s in zip(tokens, stats)]
+
+
+def target_only_generate_batch(target, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id=None,
+                               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                               seed: int | None = None) -> list[GenerationOutput]:
+    """The fair baseline: the same model, dtype, cache, batching and sampling code, one target call per token."""
+    params = SamplingParams(temperature, top_k, top_p)
+    eos = _eos_set(eos_token_id)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt")
+    model = _CachedModel(target.eval(), len(prompts))
+    start = time.perf_counter()
+    last = [row[-1] for row in model.feed([list(p) for p in prompts])]
+    outputs = [GenerationOutput([], {"target_calls": 0, "tau": 1.0}) for _ in prompts]
+    active = list(range(len(prompts)))
+    while active:
+        feed, still = [], []
+        for s, r in enumerate(active):
+            out = outputs[r]
+            if params.greedy:
+                token = int(last[s].argmax())
+            else:
+                token = int(torch.multinomial(warp(last[s], params), 1, generator=generator))
+            out.tokens.append(token)
+            out.stats["target_calls"] += 1
+            out.stats.setdefault("ttft_s", time.perf_counter() - start)
+            if token in eos or len(out.tokens) == max_new_tokens:
+                seconds = time.perf_counter() - start
+                out.stats.update(new_tokens=len(out.tokens), seconds=seconds,
+                                 tokens_per_s=len(out.tokens) / seconds)
+            else:
+                still.append(s)
+                feed.append([token])
+        if not still:
+            break
+        if len(still) < len(active):
+            model.select(still)
+            active = [active[s] for s in still]
+        if active:
+            last = [row[-1] for row in model.feed(feed)]
+    return outputs
 
 
 def target_only_generate(target, prompt_ids: list[int], max_new_tokens: int = 128, eos_token_id=None,
                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None
                          ) -> GenerationOutput:
-    """The fair baseline: the same model, dtype, cache and sampling code, one target call per token."""
-    params = SamplingParams(temperature, top_k, top_p)
-    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    model = _CachedModel(target.eval())
-    start = time.perf_counter()
-    logits = model.feed(list(prompt_ids))[-1]
-    tokens, ttft = [], None
-    while len(tokens) < max_new_tokens:
-        token = int(logits.argmax()) if params.greedy else int(torch.multinomial(warp(logits, params), 1,
-                                                                                  generator=generator))
-        tokens.append(token)
-        ttft = ttft or time.perf_counter() - start
-        if token in eos or len(tokens) == max_new_tokens:
-            break
-        logits = model.feed([token])[-1]
-    seconds = time.perf_counter() - start
-    return GenerationOutput(tokens, {"new_tokens": len(tokens), "seconds": seconds, "ttft_s": ttft,
-                                     "tokens_per_s": len(tokens) / seconds, "target_calls": len(tokens), "tau": 1.0})
+    return target_only_generate_batch(target, [list(prompt_ids)], max_new_tokens, eos_token_id, temperature,
+                                      top_k, top_p, seed)[0]

@@ -7,6 +7,7 @@ from specdistill.speculative import (
     SpeculativeGenerator,
     _CachedModel,
     target_only_generate,
+    target_only_generate_batch,
     verify,
     warp,
 )
@@ -88,20 +89,87 @@ def test_accept_all_and_accept_none(pair):
     assert none.tokens == target_only_generate(target, prompt, 20).tokens
 
 
+def _layer_kv(model: _CachedModel, layer: int, row: int = 0):
+    """Keys/values of the slots ``row`` may attend to, in order."""
+    slots = model.valid[row].nonzero().squeeze(1)
+    keys, values = model.cache.layers[layer].keys, model.cache.layers[layer].values
+    return keys[row][:, slots], values[row][:, slots]
+
+
 def test_cache_rollback_equals_fresh_prefill(pair):
     target, _ = pair
     tokens = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     rolled = _CachedModel(target)
-    rolled.feed(tokens[:8])
-    rolled.feed(tokens[8:] + [1, 2])  # a speculative block, partly rejected
+    rolled.feed([tokens[:8]])
+    rolled.feed([tokens[8:] + [1, 2]])  # a speculative block, partly rejected
     rolled.crop(10)
     fresh = _CachedModel(target)
-    fresh.feed(tokens[:10])
+    fresh.feed([tokens[:10]])
+    assert rolled.valid.shape[1] == 10  # the rejected tail was cropped, not just hidden
     for layer in range(target.config.num_hidden_layers):
-        k1, v1 = rolled.cache.layers[layer].keys, rolled.cache.layers[layer].values
-        k2, v2 = fresh.cache.layers[layer].keys, fresh.cache.layers[layer].values
+        k1, v1 = _layer_kv(rolled, layer)
+        k2, v2 = _layer_kv(fresh, layer)
         assert torch.allclose(k1, k2, atol=1e-5) and torch.allclose(v1, v2, atol=1e-5)
-    assert torch.allclose(rolled.feed([tokens[10]]), fresh.feed([tokens[10]]), atol=1e-4)
+    assert torch.allclose(rolled.feed([[tokens[10]]])[0], fresh.feed([[tokens[10]]])[0], atol=1e-4)
+
+
+def test_batched_cache_with_holes_and_compaction_equals_fresh_prefill(pair):
+    """Rows that keep different amounts leave holes; masked holes and compaction must not change any logit."""
+    target, _ = pair
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 6)]
+    model = _CachedModel(target, batch=3)
+    model.compact_above = 8
+    model.feed([r[:2] for r in rows])
+    kept = [list(r[:2]) for r in rows]
+    for step in range(14):  # each step: feed a block, keep a row-dependent part of it
+        block = [torch.randint(0, VOCAB, (1 + (step + b) % 4,), generator=g).tolist() for b in range(3)]
+        model.feed(block)
+        for b in range(3):
+            keep = int((step + b) % 3 == 0) * len(block[b])  # mostly rejected: holes outgrow the rows
+            kept[b] += block[b][:keep]
+            model.keep(b, len(kept[b]))
+        model._trim()
+    assert model.compactions > 0 and not model.valid.all()  # both holes and compaction were exercised
+    probe = [[1], [2], [3]]
+    batched = model.feed(probe)
+    for b in range(3):
+        fresh = _CachedModel(target).feed([kept[b] + probe[b]])[0][-1]
+        assert torch.allclose(batched[b][-1], fresh, atol=1e-4), b
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4, 7])
+@pytest.mark.parametrize("schedule", ["fixed", "heuristic", "confidence"])
+def test_batched_greedy_identical_to_per_row_target_only(pair, gamma, schedule):
+    target, draft = pair
+    g = torch.Generator().manual_seed(gamma)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 7, 4)]
+    refs = [target_only_generate(target, p, max_new_tokens=20).tokens for p in prompts]
+    eos = refs[1][9]  # row 1 stops early (and maybe others); the rest run to max_new_tokens
+    refs = [r[: r.index(eos) + 1] if eos in r else r for r in refs]
+    outs = SpeculativeGenerator(target, draft, gamma=gamma, schedule=schedule).generate_batch(
+        prompts, max_new_tokens=20, eos_token_id=eos)
+    assert [o.tokens for o in outs] == refs
+    batched_baseline = target_only_generate_batch(target, prompts, max_new_tokens=20, eos_token_id=eos)
+    assert [o.tokens for o in batched_baseline] == refs
+    for o in outs:
+        assert o.stats["new_tokens"] == len(o.tokens) and o.stats["tau"] >= 1.0
+
+
+def test_batched_sampling_rows_follow_target_distribution(pair):
+    """Rows of one batch sample independently and each follows the target's first-token distribution."""
+    target, draft = pair
+    prompts = [[2, 7, 1], [5, 5, 5, 5, 9]]
+    params = SamplingParams(0.9, top_k=8)
+    with torch.no_grad():
+        p = [warp(target(torch.tensor([pr])).logits[0, -1], params) for pr in prompts]
+    gen = SpeculativeGenerator(target, draft, gamma=3)
+    counts = torch.zeros(2, VOCAB)
+    for seed in range(1500):
+        outs = gen.generate_batch(prompts, max_new_tokens=2, temperature=0.9, top_k=8, seed=seed)
+        for b in range(2):
+            counts[b, outs[b].tokens[0]] += 1
+    assert chi_square_p(counts[0], p[0]) > 1e-3 and chi_square_p(counts[1], p[1]) > 1e-3
 
 
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(1.0, top_k=5),
