@@ -2,25 +2,29 @@
 
     python scripts/bench_decode.py --target smollm2-135m --draft runs/quick/draft --prompts 8 --max-new-tokens 96
 
-Rows: HF generate (target only), our target-only loop, HF generate(assistant_model=draft), ours greedy,
-ours T=1. Greedy rows are checked token for token against the target-only loop.
+Rows: HF generate (target only), our target-only loop, HF generate(assistant_model=draft) (batch 1 only),
+ours greedy with each draft-length schedule, ours T=1. Greedy rows are checked token for token against our
+target-only loop. ``--batch 8`` decodes 8 prompts together (per-row acceptance).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from specdistill.config import record_run
 from specdistill.data import load_mtbench
 from specdistill.models import load_model, load_tokenizer
-from specdistill.speculative import SpeculativeGenerator, target_only_generate
+from specdistill.speculative import SpeculativeGenerator, target_only_generate_batch
 
 
 def main() -> int:
@@ -30,7 +34,9 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=1, help="rows decoded together (HF assisted needs 1)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--out", default=None, help="folder for bench.json / bench.md (scripts/results.py reads it)")
     args = parser.parse_args()
 
     tokenizer = load_tokenizer(args.target)
@@ -38,57 +44,88 @@ def main() -> int:
     draft = load_model(args.draft, args.dtype)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False) for q in load_mtbench()[: args.prompts]]
+    groups = [prompts[i: i + args.batch] for i in range(0, len(prompts), args.batch)]
     eos = tokenizer.eos_token_id
+    new = args.max_new_tokens
     gen = SpeculativeGenerator(target, draft, gamma=args.gamma)
+    heuristic = SpeculativeGenerator(target, draft, gamma=args.gamma, schedule="heuristic")
     confident = SpeculativeGenerator(target, draft, gamma=args.gamma, schedule="confidence", confidence=0.4)
 
-    def hf(prompt, assistant=None):
-        ids = torch.tensor([prompt])
+    def hf(group, assistant=None):
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[eos] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
         kwargs = {"assistant_model": assistant} if assistant is not None else {}
         if assistant is not None:
             assistant.generation_config.num_assistant_tokens = args.gamma
             assistant.generation_config.num_assistant_tokens_schedule = "constant"
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                                  do_sample=False, pad_token_id=eos, eos_token_id=eos, **kwargs)
-        new = out[0, len(prompt):].tolist()
-        return new, len(new) / (time.perf_counter() - t0)
+            out = target.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                  pad_token_id=eos, eos_token_id=eos, **kwargs)
+        rows = [_until_eos(row[width:].tolist(), eos) for row in out]
+        return rows, sum(map(len, rows)) / (time.perf_counter() - t0)
+
+    def ours(outputs, t0):
+        rows = [o.tokens for o in outputs]
+        return rows, sum(map(len, rows)) / (time.perf_counter() - t0)
+
+    def timed(fn):
+        def run(group):
+            t0 = time.perf_counter()
+            return ours(fn(group), t0)
+        return run
 
     methods = {
-        "HF generate (target only)": lambda p: hf(p),
-        "ours target-only": lambda p: _run(target_only_generate(target, p, args.max_new_tokens, eos)),
-        f"HF assisted (γ={args.gamma})": lambda p: hf(p, draft),
-        f"ours speculative greedy (γ={args.gamma})": lambda p: _run(gen.generate(p, args.max_new_tokens, eos)),
-        f"ours speculative greedy, confidence stop 0.4 (γ≤{args.gamma})":
-            lambda p: _run(confident.generate(p, args.max_new_tokens, eos)),
-        f"ours speculative T=1 (γ={args.gamma})": lambda p: _run(gen.generate(p, args.max_new_tokens, eos,
-                                                                              temperature=1.0, seed=0)),
+        "HF generate (target only)": hf,
+        "ours target-only": timed(lambda g: target_only_generate_batch(target, g, new, eos)),
     }
-    hf(prompts[0])  # warm-up
+    if args.batch == 1:  # transformers' assisted generation only supports one row
+        methods[f"HF assisted (γ={args.gamma})"] = lambda g: hf(g, draft)
+    methods.update({
+        f"ours speculative greedy (γ={args.gamma})": timed(lambda g: gen.generate_batch(g, new, eos)),
+        f"ours speculative greedy, heuristic schedule (γ₀={args.gamma})":
+            timed(lambda g: heuristic.generate_batch(g, new, eos)),
+        f"ours speculative greedy, confidence stop 0.4 (γ≤{args.gamma})":
+            timed(lambda g: confident.generate_batch(g, new, eos)),
+        f"ours speculative T=1 (γ={args.gamma})": timed(lambda g: gen.generate_batch(g, new, eos, temperature=1.0,
+                                                                                     seed=0)),
+    })
+    hf(groups[0][:1])  # warm-up
     rates = {name: [] for name in methods}
     identical = {name: True for name in methods}
-    for prompt in prompts:
-        reference, _ = _run(target_only_generate(target, prompt, args.max_new_tokens, eos))
+    for group in tqdm(groups, desc="bench", unit="batch"):
+        reference = [o.tokens for o in target_only_generate_batch(target, group, new, eos)]
         for name, method in methods.items():  # interleaved, so drift in machine speed hits every row alike
-            tokens, rate = method(prompt)
+            tokens, rate = method(group)
             rates[name].append(rate)
             if "T=1" not in name:
                 identical[name] &= tokens == reference
     base = statistics.median(rates["ours target-only"])
-    hf_assisted = statistics.median(rates[f"HF assisted (γ={args.gamma})"])
-    print(f"\n{len(prompts)} MT-bench prompts, {args.max_new_tokens} new tokens, {args.dtype}, batch 1\n")
-    print("| method | median tok/s | vs ours target-only | vs HF assisted | greedy identical |")
-    print("|---|---|---|---|---|")
+    hf_name = f"HF assisted (γ={args.gamma})" if args.batch == 1 else "HF generate (target only)"
+    hf_base = statistics.median(rates[hf_name])
+    title = (f"{len(prompts)} MT-bench prompts, {new} new tokens, {args.dtype}, batch {args.batch} "
+             f"(tok/s = new tokens of a batch / its wall time; medians over {len(groups)} batches)")
+    lines = [f"| method | median tok/s | vs ours target-only | vs {hf_name} | greedy identical |", "|---|---|---|---|---|"]
+    rows = []
     for name in methods:
         med = statistics.median(rates[name])
         same = "—" if "T=1" in name else ("yes" if identical[name] else "NO")
-        print(f"| {name} | {med:.1f} | {med / base:.2f}× | {med / hf_assisted:.2f}× | {same} |")
+        rows.append({"method": name, "median_tokens_per_s": med, "vs_target_only": med / base,
+                     "vs_hf": med / hf_base, "greedy_identical": None if "T=1" in name else identical[name]})
+        lines.append(f"| {name} | {med:.1f} | {med / base:.2f}× | {med / hf_base:.2f}× | {same} |")
+    print(f"\n{title}\n\n" + "\n".join(lines))
+    if args.out:
+        out = record_run(args.out, vars(args))
+        command = "python scripts/bench_decode.py " + " ".join(sys.argv[1:])
+        (out / "bench.json").write_text(json.dumps({"title": title, "command": command, "hf_baseline": hf_name,
+                                                    "args": vars(args), "rows": rows}, indent=2))
+        (out / "bench.md").write_text(f"{title}\n\n`{command}`\n\n" + "\n".join(lines) + "\n")
     return 0
 
 
-def _run(output):
-    return output.tokens, output.stats["tokens_per_s"]
+def _until_eos(tokens: list[int], eos: int) -> list[int]:
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
 
 if __name__ == "__main__":

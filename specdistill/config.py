@@ -330,8 +330,8 @@ PROVENANCE_PACKAGES = ("torch", "transformers", "datasets", "accelerate", "peft"
 def git_sha() -> str:
     try:
         root = Path(__file__).resolve().parent.parent
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=5)
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5, check=False)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=5, check=False)
         if sha.returncode != 0:
             return "unknown"
         return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 
@@ -28,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=[],
+                        help="stop once the text contains this string (repeatable); the output ends before it")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--compare", action="store_true", help="also run target-only decoding and report the ratio")
     args = parser.parse_args(argv)
@@ -47,22 +50,34 @@ def main(argv: list[str] | None = None) -> int:
     tokens: list[int] = []
     printed = ""
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
+    stopped = False
+    start = time.perf_counter()
     for chunk in gen.stream(list(prompt_ids), args.max_new_tokens, tokenizer.eos_token_id, params, args.seed, stats):
         tokens += chunk
         text = tokenizer.decode(tokens, skip_special_tokens=True)
+        hits = [text.find(s, max(len(printed) - len(s), 0)) for s in args.stop]
+        hits = [h for h in hits if h >= 0]
+        if hits:
+            text, stopped = text[: min(hits)], True
         sys.stdout.write(text[len(printed):])
         sys.stdout.flush()
         printed = text
+        if stopped:  # the stream is abandoned mid-way, so its stats are those of the steps taken
+            break
+    seconds = time.perf_counter() - start
     accepted = stats["accepted"]
-    summary = {"new_tokens": stats["new_tokens"], "target_calls": stats["target_calls"], "tau": round(stats["tau"], 3),
+    summary = {"new_tokens": len(tokens), "target_calls": stats["target_calls"],
+               "tau": round(len(tokens) / max(stats["target_calls"], 1), 3),
                "acceptance": round(sum(accepted) / max(sum(stats["drafted"]), 1), 3),
-               "ttft_s": round(stats.get("ttft_s", 0.0), 4), "tokens_per_s": round(stats["tokens_per_s"], 2)}
+               "ttft_s": round(stats.get("ttft_s", 0.0), 4), "tokens_per_s": round(len(tokens) / seconds, 2),
+               "stopped_at": "stop string" if stopped else ("EOS" if len(tokens) < args.max_new_tokens
+                                                           else "max_new_tokens")}
     if args.compare:
         ref = target_only_generate(target, list(prompt_ids), args.max_new_tokens, tokenizer.eos_token_id,
                                    args.temperature, args.top_k, args.top_p, args.seed)
         summary["target_only_tokens_per_s"] = round(ref.stats["tokens_per_s"], 2)
-        summary["speedup"] = round(stats["tokens_per_s"] / ref.stats["tokens_per_s"], 3)
-        if params.greedy:
-            summary["greedy_identical"] = ref.tokens == tokens
+        summary["speedup"] = round(summary["tokens_per_s"] / ref.stats["tokens_per_s"], 3)
+        if params.greedy:  # compare the same text span: a stop string cuts ours short
+            summary["greedy_identical"] = ref.tokens[: len(tokens)] == tokens
     print("\n\n" + json.dumps(summary, indent=2))
     return 0

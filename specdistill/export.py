@@ -34,8 +34,8 @@ def engine_checks(target_config, draft_config, target_tok, draft_tok) -> dict[st
     """The rules each engine applies to a (target, draft) pair, evaluated here before anyone serves it."""
     checks = {}
     same_vocab = target_config.vocab_size == draft_config.vocab_size
-    checks["vLLM draft_model"] = (same_vocab, f"vocab_size target {target_config.vocab_size} vs draft "
-                                              f"{draft_config.vocab_size} (must be equal)")
+    checks["vLLM draft_model"] = (same_vocab, (f"vocab_size target {target_config.vocab_size} vs draft "
+                                              f"{draft_config.vocab_size} (must be equal)"))
     checks["HF assisted generation"] = (same_vocab, "shared-tokenizer mode (equal vocab_size)" if same_vocab else
                                         "vocab sizes differ: HF falls back to universal assisted decoding")
     checks["SGLang STANDALONE"] = (same_vocab, "same vocabulary required")
@@ -67,18 +67,18 @@ def model_card(meta: dict) -> str:
     gamma = meta["num_assistant_tokens"]
     lines = [f"# Draft model for `{meta['target']}`", "",
              "Distilled with specdistill for speculative decoding.", "",
-             f"- parameters: {sizes['draft_params']:,} ({sizes['ratio_total']:.1%} of the target; "
-             f"{sizes['ratio_non_embedding']:.1%} without embeddings)",
+             (f"- parameters: {sizes['draft_params']:,} ({sizes['ratio_total']:.1%} of the target; "
+             f"{sizes['ratio_non_embedding']:.1%} without embeddings)"),
              f"- suggested draft length γ: {gamma}"]
     if acc:
         lines.append("- measured acceptance: " + ", ".join(f"α(T={t})={v:.3f}" for t, v in acc.get("alpha", {}).items()))
     lines += ["", "## Serving", "", "```python",
               "target.generate(**inputs, assistant_model=AutoModelForCausalLM.from_pretrained(\"<this folder>\"))",
               "```", "```bash",
-              f"vllm serve <target> --speculative-config '{{\"method\": \"draft_model\", \"model\": \"<this folder>\", "
-              f"\"num_speculative_tokens\": {gamma}}}'",
-              f"python -m sglang.launch_server --model-path <target> --speculative-algorithm STANDALONE "
-              f"--speculative-draft-model-path <this folder> --speculative-num-steps {gamma}",
+              (f"vllm serve <target> --speculative-config '{{\"method\": \"draft_model\", \"model\": \"<this folder>\", "
+              f"\"num_speculative_tokens\": {gamma}}}'"),
+              (f"python -m sglang.launch_server --model-path <target> --speculative-algorithm STANDALONE "
+              f"--speculative-draft-model-path <this folder> --speculative-num-steps {gamma}"),
               "```", "", "See docs/serving.md in specdistill for the checks each engine applies."]
     return "\n".join(lines) + "\n"
 

@@ -84,12 +84,12 @@ def _special_ids(tokenizer) -> dict:
 
 def check_pair(target_tokenizer, draft_tokenizer, target_config=None, draft_config=None) -> None:
     """Fail before any compute if target and draft do not share one tokenizer and vocabulary."""
-    if target_config is not None and draft_config is not None:
-        if target_config.vocab_size != draft_config.vocab_size:
-            raise PairMismatchError(
-                f"vocab size mismatch: target config has vocab_size={target_config.vocab_size}, "
-                f"draft config has vocab_size={draft_config.vocab_size}"
-            )
+    if (target_config is not None and draft_config is not None
+            and target_config.vocab_size != draft_config.vocab_size):
+        raise PairMismatchError(
+            f"vocab size mismatch: target config has vocab_size={target_config.vocab_size}, "
+            f"draft config has vocab_size={draft_config.vocab_size}"
+        )
     t_vocab, d_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if len(t_vocab) != len(d_vocab):
         raise PairMismatchError(f"tokenizer size mismatch: target has {len(t_vocab)} tokens, draft has {len(d_vocab)}")

@@ -182,12 +182,21 @@ def _eos_set(eos_token_id) -> set[int]:
     return set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
 
 
-def _finish(new: list[int], eos: set[int], budget: int) -> list[int]:
-    for j, token in enumerate(new):
+def _finish(generated: list[int], new: list[int], eos: set[int], stops: list[list[int]], budget: int
+            ) -> tuple[list[int], bool]:
+    """Cut ``new`` at the first EOS, completed stop sequence or the token budget; also say if the row is done.
+
+    Stop sequences are matched on generated tokens only (never the prompt), token by token, so speculative and
+    target-only decoding stop at the same token.
+    """
+    for j, token in enumerate(new[:budget]):
         if token in eos:
-            new = new[: j + 1]
-            break
-    return new[:budget]
+            return new[: j + 1], True
+        tail = generated + new[: j + 1]
+        if any(len(tail) >= len(stop) and tail[-len(stop):] == stop for stop in stops):
+            return new[: j + 1], True
+    new = new[:budget]
+    return new, len(new) == budget
 
 
 class SpeculativeGenerator:
@@ -206,14 +215,17 @@ class SpeculativeGenerator:
 
     def stream_batch(self, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id=None,
                      params: SamplingParams | None = None, seed: int | None = None,
-                     stats: list[dict] | None = None) -> Iterator[list[list[int]]]:
+                     stats: list[dict] | None = None, stop_sequences: list[list[int]] | None = None
+                     ) -> Iterator[list[list[int]]]:
         """Decode several prompts together; yield each row's newly accepted tokens (maybe none) per step.
 
         Every row keeps its own accepted count, draft length and stop; finished rows leave the batch.
-        ``stats`` (one dict per row, if given) is filled as it runs.
+        ``stats`` (one dict per row, if given) is filled as it runs. Generation of a row ends at EOS, at the end
+        of any of ``stop_sequences`` (token ids) or after ``max_new_tokens``, exactly where target-only would.
         """
         params = params or SamplingParams()
         eos = _eos_set(eos_token_id)
+        stops = [list(s) for s in stop_sequences or [] if s]
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
@@ -286,13 +298,12 @@ class SpeculativeGenerator:
                 stats[r]["drafted"].append(len(proposal))
                 if self.schedule == "heuristic":  # HF assisted generation's schedule
                     gammas[r] = min(self.max_gamma, gammas[r] + 2) if n == len(proposal) else max(1, gammas[r] - 1)
-                new = _finish(new, eos, max_new_tokens - produced[r])
+                new, done = _finish(tokens[r][len(prompts[r]):], new, eos, stops, max_new_tokens - produced[r])
                 tokens[r] += new
                 produced[r] += len(new)
                 emitted[r] = new
                 if "ttft_s" not in stats[r]:
                     stats[r]["ttft_s"] = time.perf_counter() - start
-                done = produced[r] >= max_new_tokens or (new and new[-1] in eos)
                 if done:
                     seconds = time.perf_counter() - start
                     stats[r].update(new_tokens=produced[r], seconds=seconds, tokens_per_s=produced[r] / seconds,
@@ -310,25 +321,27 @@ class SpeculativeGenerator:
             yield emitted
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int = 128, eos_token_id: int | list[int] | None = None,
-               params: SamplingParams | None = None, seed: int | None = None, stats: dict | None = None
-               ) -> Iterator[list[int]]:
+               params: SamplingParams | None = None, seed: int | None = None, stats: dict | None = None,
+               stop_sequences: list[list[int]] | None = None) -> Iterator[list[int]]:
         """Yield the newly accepted tokens of every step; ``stats`` (if given) is filled as it runs."""
         stats = stats if stats is not None else {}
-        for emitted in self.stream_batch([list(prompt_ids)], max_new_tokens, eos_token_id, params, seed, [stats]):
+        for emitted in self.stream_batch([list(prompt_ids)], max_new_tokens, eos_token_id, params, seed, [stats],
+                                         stop_sequences):
             yield emitted[0]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int = 128, eos_token_id=None,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None
-                 ) -> GenerationOutput:
-        return self.generate_batch([prompt_ids], max_new_tokens, eos_token_id, temperature, top_k, top_p, seed)[0]
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop_sequences: list[list[int]] | None = None) -> GenerationOutput:
+        return self.generate_batch([prompt_ids], max_new_tokens, eos_token_id, temperature, top_k, top_p, seed,
+                                   stop_sequences)[0]
 
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id=None,
-                       temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None
-                       ) -> list[GenerationOutput]:
+                       temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                       stop_sequences: list[list[int]] | None = None) -> list[GenerationOutput]:
         stats: list[dict] = [{} for _ in prompts]
         tokens: list[list[int]] = [[] for _ in prompts]
         for emitted in self.stream_batch(prompts, max_new_tokens, eos_token_id,
-                                         SamplingParams(temperature, top_k, top_p), seed, stats):
+                                         SamplingParams(temperature, top_k, top_p), seed, stats, stop_sequences):
             for row, new in zip(tokens, emitted):
                 row += new
         return [GenerationOutput(t, s) for t, s in zip(tokens, stats)]
@@ -336,10 +349,12 @@ class SpeculativeGenerator:
 
 def target_only_generate_batch(target, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id=None,
                                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                               seed: int | None = None) -> list[GenerationOutput]:
+                               seed: int | None = None, stop_sequences: list[list[int]] | None = None
+                               ) -> list[GenerationOutput]:
     """The fair baseline: the same model, dtype, cache, batching and sampling code, one target call per token."""
     params = SamplingParams(temperature, top_k, top_p)
     eos = _eos_set(eos_token_id)
+    stops = [list(s) for s in stop_sequences or [] if s]
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt")
@@ -356,10 +371,11 @@ def target_only_generate_batch(target, prompts: list[list[int]], max_new_tokens:
                 token = int(last[s].argmax())
             else:
                 token = int(torch.multinomial(warp(last[s], params), 1, generator=generator))
+            _, done = _finish(out.tokens, [token], eos, stops, max_new_tokens - len(out.tokens))
             out.tokens.append(token)
             out.stats["target_calls"] += 1
             out.stats.setdefault("ttft_s", time.perf_counter() - start)
-            if token in eos or len(out.tokens) == max_new_tokens:
+            if done:
                 seconds = time.perf_counter() - start
                 out.stats.update(new_tokens=len(out.tokens), seconds=seconds,
                                  tokens_per_s=len(out.tokens) / seconds)
@@ -377,7 +393,7 @@ def target_only_generate_batch(target, prompts: list[list[int]], max_new_tokens:
 
 
 def target_only_generate(target, prompt_ids: list[int], max_new_tokens: int = 128, eos_token_id=None,
-                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None
-                         ) -> GenerationOutput:
+                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                         stop_sequences: list[list[int]] | None = None) -> GenerationOutput:
     return target_only_generate_batch(target, [list(prompt_ids)], max_new_tokens, eos_token_id, temperature,
-                                      top_k, top_p, seed)[0]
+                                      top_k, top_p, seed, stop_sequences)[0]

@@ -3,6 +3,7 @@
 Everything is built locally from config: no network, no SmolLM2 (that is for `slow` tests).
 """
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -77,3 +78,17 @@ def tiny_pair_dir(tmp_path_factory, tiny_tokenizer):
 @pytest.fixture
 def tiny_target(tiny_tokenizer):
     return make_llama(len(tiny_tokenizer), hidden=64, layers=2, seed=0)
+
+
+@pytest.fixture(scope="session")
+def conversations(tmp_path_factory):
+    """A small ShareGPT-format file so the tests need neither the real data nor the network."""
+    words = ["the", "sea", "sky", "fox", "dog", "poem", "capital", "France", "Paris", "draft", "model", "token", "quick", "brown", "lazy"]
+    records = []
+    for i in range(48):
+        q = " ".join(words[(i + j) % len(words)] for j in range(6))
+        a = " ".join(words[(i * 3 + j) % len(words)] for j in range(12))
+        records.append({"id": f"c{i}_0", "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
+    path = tmp_path_factory.mktemp("data") / "chats.json"
+    path.write_text(json.dumps(records))
+    return path

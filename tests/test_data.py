@@ -134,7 +134,7 @@ class Interrupt(Exception):
 
 def test_generation_resumes_without_duplicates_or_gaps(tmp_path, tiny_tokenizer, tiny_target, monkeypatch):
     prompts = [(f"p{i}", [{"role": "user", "content": "word " * (i % 5 + 1)}]) for i in range(10)]
-    kwargs = dict(max_prompt_tokens=64, max_new_tokens=6, batch_size=3, temperature=1.0, seed=7)
+    kwargs = {"max_prompt_tokens": 64, "max_new_tokens": 6, "batch_size": 3, "temperature": 1.0, "seed": 7}
     reference = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "ref", **kwargs)
 
     calls = {"n": 0}

@@ -2,9 +2,9 @@ import json
 
 import pytest
 import torch
+from conftest import make_llama, make_tokenizer
 from transformers import AutoModelForCausalLM
 
-from conftest import make_llama, make_tokenizer
 from specdistill import export as export_module
 from specdistill.export import ExportError, export
 
@@ -36,8 +36,8 @@ def test_exported_draft_as_hf_assistant_gives_target_greedy(tiny_pair_dir, tmp_p
     target = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "target")
     assistant = AutoModelForCausalLM.from_pretrained(out)
     ids = torch.tensor([[5, 9, 13, 2, 7]])
-    kwargs = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=2, eos_token_id=None,
-                  attention_mask=torch.ones_like(ids))
+    kwargs = {"max_new_tokens": 20, "min_new_tokens": 20, "do_sample": False, "pad_token_id": 2, "eos_token_id": None,
+                  "attention_mask": torch.ones_like(ids)}
     plain = target.generate(ids, **kwargs)
     assisted = target.generate(ids, assistant_model=assistant, **kwargs)
     assert torch.equal(plain, assisted)

@@ -27,3 +27,28 @@ def test_shipped_sharegpt_recovers_17671_records():
     with pytest.warns(UserWarning, match="17,671 complete records"):
         result = load_sharegpt()
     assert result.complete == 17671
+
+
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_smollm2_speculative_greedy_identical_on_mtbench(gamma):
+    """On the real target, batch 1 and batch 3: speculative greedy == our target-only greedy == HF greedy."""
+    from specdistill.config import DraftConfig
+    from specdistill.data import load_mtbench
+    from specdistill.models import build_draft, load_model, load_tokenizer
+    from specdistill.speculative import SpeculativeGenerator, target_only_generate
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    target = load_model("smollm2-135m", "float32")
+    draft = build_draft(target, DraftConfig(init="target_layers", layers=[0, 10, 20, 29]))  # agrees sometimes
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False) for q in load_mtbench()[:3]]
+    eos = tokenizer.eos_token_id
+    gen = SpeculativeGenerator(target, draft, gamma=gamma)
+    refs = [target_only_generate(target, p, 40, eos).tokens for p in prompts]
+    for prompt, ref in zip(prompts, refs):
+        assert gen.generate(prompt, 40, eos).tokens == ref
+        with torch.inference_mode():
+            hf = target.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=eos,
+                                 pad_token_id=eos)[0, len(prompt):].tolist()
+        assert hf[: len(ref)] == ref
+    assert [o.tokens for o in gen.generate_batch(prompts, 40, eos)] == refs

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 from conftest import make_llama
@@ -76,6 +78,12 @@ def test_eos_and_max_new_tokens_end_where_target_only_does(pair):
     assert ours.tokens == ref.tokens[: first + 1]
     for n in (1, 2, 3, 11):
         assert SpeculativeGenerator(target, draft, gamma=4).generate(prompt, n).tokens == ref.tokens[:n]
+    stop = ref.tokens[12:14]  # a two-token stop sequence: both decoders end right after its first completion
+    end = next(i + 2 for i in range(len(ref.tokens) - 1) if ref.tokens[i: i + 2] == stop)
+    for gamma in (1, 3, 6):
+        ours = SpeculativeGenerator(target, draft, gamma=gamma).generate(prompt, 30, stop_sequences=[stop])
+        assert ours.tokens == ref.tokens[:end]
+    assert target_only_generate(target, prompt, 30, stop_sequences=[stop]).tokens == ref.tokens[:end]
 
 
 def test_accept_all_and_accept_none(pair):
@@ -226,3 +234,24 @@ def test_bad_arguments(pair):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="empty prompt"):
         SpeculativeGenerator(target, draft).generate([], 3)
+
+
+def test_decode_cli_streams_text_and_stops_at_stop_string(tiny_pair_dir, capsys):
+    from specdistill import decode_cli
+
+    common = ["--target", str(tiny_pair_dir / "target"), "--draft", str(tiny_pair_dir / "draft"),
+              "--prompt", "Write a poem about the sea.", "--max-new-tokens", "24", "--gamma", "3", "--compare"]
+    assert decode_cli.main(common) == 0
+    full_text, stats = capsys.readouterr().out.rsplit("\n\n{", 1)
+    stats = json.loads("{" + stats)
+    assert stats["new_tokens"] == 24 and stats["greedy_identical"] and stats["tau"] >= 1.0
+    sampled = [*common, "--temperature", "1.0", "--seed", "3"]  # a random tiny model's greedy text is blank lines
+    assert decode_cli.main(sampled) == 0
+    full_text = capsys.readouterr().out.rsplit("\n\n{", 1)[0]
+    assert len(full_text.strip()) > 4, "nothing was streamed"
+    stop = full_text.strip()[len(full_text.strip()) // 2:][:2]  # a string from the middle of the reply
+    assert decode_cli.main([*sampled, "--stop", stop]) == 0  # same seed: the same tokens, cut at the stop
+    cut_text, stats = capsys.readouterr().out.rsplit("\n\n{", 1)
+    stats = json.loads("{" + stats)
+    assert stats["stopped_at"] == "stop string" and stats["new_tokens"] < 24
+    assert stop not in cut_text and full_text.startswith(cut_text)

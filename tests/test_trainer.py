@@ -19,20 +19,6 @@ from specdistill.trainer import NonFiniteLossError, latest_checkpoint, run
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def conversations(tmp_path_factory):
-    """A small ShareGPT-format file so the tests need neither the real data nor the network."""
-    words = ["the", "sea", "sky", "fox", "dog", "poem", "capital", "France", "Paris", "draft", "model", "token", "quick", "brown", "lazy"]
-    records = []
-    for i in range(48):
-        q = " ".join(words[(i + j) % len(words)] for j in range(6))
-        a = " ".join(words[(i * 3 + j) % len(words)] for j in range(12))
-        records.append({"id": f"c{i}_0", "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
-    path = tmp_path_factory.mktemp("data") / "chats.json"
-    path.write_text(json.dumps(records))
-    return path
-
-
 def overrides(pair, data, out, *extra):
     return [f"target.path={pair / 'target'}", "target.dtype=float32", f"data.source={data}",
             "draft.init=fresh", "draft.num_layers=1", "draft.hidden_size=32", "draft.embedding=project",
@@ -164,7 +150,7 @@ def test_two_process_gloo_matches_single(tiny_pair_dir, conversations, tmp_path)
            *_cli(tiny_pair_dir, conversations, double, "train.max_steps=2", "train.eval_prompts=0",
                  "train.batch_size=1")[1:]]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "world_size=2" in proc.stdout + proc.stderr or (double / "run.json").read_text().count('"num_processes": 2')
     assert train_losses(double) == pytest.approx(train_losses(single), rel=1e-4)
