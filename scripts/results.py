@@ -76,14 +76,15 @@ def acceptance_section(reports: list[tuple[Path, dict]]) -> list[str]:
 
 
 def training_section(runs: list[tuple[Path, dict]]) -> list[str]:
-    lines = ["### Training runs", "", ("| run | objective / loss | draft | steps | minutes | loss tokens | "
+    lines = ["### Training runs", "", ("| run | objective | draft | steps | minutes | loss tokens | "
              "α greedy (in-training eval) | command |"), "|---|---|---|---|---|---|---|---|"]
     for folder, metrics in runs:
         cfg = yaml.safe_load((folder / "config.yaml").read_text())
         train, draft = cfg.get("train", {}), cfg.get("draft", {})
         final = metrics.get("final_eval") or {}
         alpha = final.get("alpha_greedy")
-        lines.append(f"| `{folder}` | {train.get('objective', 'kd')} / {train.get('loss')} | "
+        objective = "ce" if train.get("objective") == "ce" else f"kd / {train.get('loss')}"
+        lines.append(f"| `{folder}` | {objective} | "
                      f"{metrics['sizes']['ratio_total']:.1%} ({draft.get('init')}, {draft.get('num_layers')} × "
                      f"{draft.get('hidden_size')}) | {metrics['steps']} | {metrics['elapsed_s'] / 60:.1f} | "
                      f"{metrics['loss_tokens']:,} | {'—' if alpha is None else f'{alpha:.3f}'} | "
