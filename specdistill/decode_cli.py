@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop", action="append", default=[],
                         help="stop once the text contains this string (repeatable); the output ends before it")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="float32 is exact; in bfloat16 the target's own argmax can flip between a multi-token "
+                             "verify and 1-token steps, so greedy identity is not guaranteed (docs/results.md)")
     parser.add_argument("--compare", action="store_true", help="also run target-only decoding and report the ratio")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
