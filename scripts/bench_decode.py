@@ -66,14 +66,11 @@ def main() -> int:
         rows = [_until_eos(row[width:].tolist(), eos) for row in out]
         return rows, sum(map(len, rows)) / (time.perf_counter() - t0)
 
-    def ours(outputs, t0):
-        rows = [o.tokens for o in outputs]
-        return rows, sum(map(len, rows)) / (time.perf_counter() - t0)
-
     def timed(fn):
         def run(group):
             t0 = time.perf_counter()
-            return ours(fn(group), t0)
+            rows = [o.tokens for o in fn(group)]
+            return rows, sum(map(len, rows)) / (time.perf_counter() - t0)
         return run
 
     methods = {

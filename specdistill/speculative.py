@@ -108,10 +108,6 @@ class _CachedModel:
         self.compact_above = 32  # slots; below this, holes cost less than moving the cache
         self.compactions = 0
 
-    @property
-    def length(self) -> int:  # batch-1 convenience
-        return self.lengths[0]
-
     @torch.no_grad()  # not inference_mode: the slot mask is edited in place between forwards
     def feed(self, rows: list[list[int]]) -> list[torch.Tensor]:
         """Append each row's tokens (rows may differ in length, even be empty); per-row logits (len_b, V)."""
@@ -141,10 +137,6 @@ class _CachedModel:
         slots = self.valid[row].nonzero().squeeze(1)
         self.valid[row, slots[length:]] = False
         self.lengths[row] = length
-
-    def crop(self, length: int) -> None:  # batch-1 convenience
-        self.keep(0, length)
-        self._trim()
 
     def _trim(self) -> None:
         used = self.valid.any(0).nonzero()
@@ -178,8 +170,12 @@ class _CachedModel:
         self._trim()
 
 
-def _eos_set(eos_token_id) -> set[int]:
-    return set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+def _stop_rule(prompts: list[list[int]], eos_token_id, stop_sequences) -> tuple[set[int], list[list[int]]]:
+    """Check the prompts and normalise what ends a row: the EOS id(s) and non-empty stop sequences."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt")
+    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
+    return eos, [list(s) for s in stop_sequences or [] if s]
 
 
 def _finish(generated: list[int], new: list[int], eos: set[int], stops: list[list[int]], budget: int
@@ -189,12 +185,15 @@ def _finish(generated: list[int], new: list[int], eos: set[int], stops: list[lis
     Stop sequences are matched on generated tokens only (never the prompt), token by token, so speculative and
     target-only decoding stop at the same token.
     """
+    # Only the last tokens can complete a stop sequence: never copy the whole generated row per token.
+    recent = generated[-max(map(len, stops)):] if stops else []
     for j, token in enumerate(new[:budget]):
         if token in eos:
             return new[: j + 1], True
-        tail = generated + new[: j + 1]
-        if any(len(tail) >= len(stop) and tail[-len(stop):] == stop for stop in stops):
-            return new[: j + 1], True
+        if stops:
+            tail = recent + new[: j + 1]
+            if any(len(tail) >= len(stop) and tail[-len(stop):] == stop for stop in stops):
+                return new[: j + 1], True
     new = new[:budget]
     return new, len(new) == budget
 
@@ -224,11 +223,8 @@ class SpeculativeGenerator:
         of any of ``stop_sequences`` (token ids) or after ``max_new_tokens``, exactly where target-only would.
         """
         params = params or SamplingParams()
-        eos = _eos_set(eos_token_id)
-        stops = [list(s) for s in stop_sequences or [] if s]
+        eos, stops = _stop_rule(prompts, eos_token_id, stop_sequences)
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("empty prompt")
         batch = len(prompts)
         stats = stats if stats is not None else [{} for _ in prompts]
         stats.extend({} for _ in range(batch - len(stats)))
@@ -353,11 +349,8 @@ def target_only_generate_batch(target, prompts: list[list[int]], max_new_tokens:
                                ) -> list[GenerationOutput]:
     """The fair baseline: the same model, dtype, cache, batching and sampling code, one target call per token."""
     params = SamplingParams(temperature, top_k, top_p)
-    eos = _eos_set(eos_token_id)
-    stops = [list(s) for s in stop_sequences or [] if s]
+    eos, stops = _stop_rule(prompts, eos_token_id, stop_sequences)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("empty prompt")
     model = _CachedModel(target.eval(), len(prompts))
     start = time.perf_counter()
     last = [row[-1] for row in model.feed([list(p) for p in prompts])]
@@ -387,8 +380,7 @@ def target_only_generate_batch(target, prompts: list[list[int]], max_new_tokens:
         if len(still) < len(active):
             model.select(still)
             active = [active[s] for s in still]
-        if active:
-            last = [row[-1] for row in model.feed(feed)]
+        last = [row[-1] for row in model.feed(feed)]
     return outputs
 
 

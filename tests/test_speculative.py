@@ -110,7 +110,8 @@ def test_cache_rollback_equals_fresh_prefill(pair):
     rolled = _CachedModel(target)
     rolled.feed([tokens[:8]])
     rolled.feed([tokens[8:] + [1, 2]])  # a speculative block, partly rejected
-    rolled.crop(10)
+    rolled.keep(0, 10)
+    rolled._trim()
     fresh = _CachedModel(target)
     fresh.feed([tokens[:10]])
     assert rolled.valid.shape[1] == 10  # the rejected tail was cropped, not just hidden
