@@ -322,6 +322,10 @@ def load_generated(out_dir: str | Path) -> datasets.Dataset:
     return datasets.concatenate_datasets([datasets.load_from_disk(str(s)) for s in shards])
 
 
+# Names the loop that wrote a generated set: caches from another loop (HF generate before) sample differently.
+GENERATOR = "specdistill.target_only_generate_batch/1"
+
+
 def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], out_dir: str | Path,
                        max_prompt_tokens: int, max_new_tokens: int, batch_size: int, temperature: float = 0.0,
                        top_p: float = 1.0, seed: int = 0, max_batches: int | None = None) -> datasets.Dataset:
@@ -331,12 +335,13 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
     the batch in flight. Prompts are sorted by length (less padding); a shard's seed depends only on its
     index, so a resumed run samples exactly what an uninterrupted one would.
     """
-    import torch
     from tqdm.auto import tqdm
+
+    from .speculative import target_only_generate_batch
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    settings = {"max_prompt_tokens": max_prompt_tokens, "max_new_tokens": max_new_tokens,
+    settings = {"generator": GENERATOR, "max_prompt_tokens": max_prompt_tokens, "max_new_tokens": max_new_tokens,
                 "batch_size": batch_size, "temperature": temperature, "top_p": top_p, "seed": seed,
                 "prompt_ids": hashlib.sha256("\n".join(p[0] for p in prompts).encode()).hexdigest()[:16]}
     meta_path = out_dir / "settings.json"
@@ -365,35 +370,18 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
     for stale in out_dir.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
 
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = _eos_ids(model, tokenizer)
-    device = next(model.parameters()).device
     todo = [i for i in range(len(batches)) if i not in done]
     bar = tqdm(todo, desc="target generation", unit="batch", initial=0, total=len(todo))
     for index in bar:
         batch = batches[index]
-        width = max(len(ids) for _, ids in batch)
-        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        attention = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, (_, ids) in enumerate(batch):  # left padding keeps every row's last token aligned
-            input_ids[row, width - len(ids):] = torch.tensor(ids)
-            attention[row, width - len(ids):] = 1
-        torch.manual_seed(seed * 1_000_003 + index)
-        kwargs = {"do_sample": temperature > 0, "max_new_tokens": max_new_tokens, "pad_token_id": pad_id,
-                  "eos_token_id": eos_ids}
-        if temperature > 0:
-            kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
-        with torch.inference_mode():
-            out = model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device), **kwargs)
-        rows = []
-        for row, (prompt_id, ids) in enumerate(batch):
-            response = out[row, width:].tolist()
-            finished = False
-            for j, tok in enumerate(response):
-                if tok in eos_ids:
-                    response, finished = response[: j + 1], True
-                    break
-            rows.append({"prompt_id": prompt_id, "prompt_ids": ids, "response_ids": response, "finished": finished})
+        # A shard's seed depends only on its index, so a resumed run samples what an uninterrupted one would.
+        outputs = target_only_generate_batch(model, [ids for _, ids in batch], max_new_tokens, eos_ids,
+                                             temperature=temperature, top_p=top_p,
+                                             seed=seed * 1_000_003 + index)
+        rows = [{"prompt_id": prompt_id, "prompt_ids": ids, "response_ids": out.tokens,
+                 "finished": bool(out.tokens) and out.tokens[-1] in eos_ids}
+                for (prompt_id, ids), out in zip(batch, outputs)]
         shard = datasets.Dataset.from_list(rows, features=GENERATED_FEATURES)
         from .assets import atomic_write_dir
 
@@ -443,7 +431,7 @@ def generated_dir(target_path: str, gen, data, split: str = "train") -> Path:
     """Cache folder for target-generated data, keyed by target, source data and generation settings."""
     from .assets import cache_dir
 
-    key = json.dumps([target_path, split, data.source, data.heldout_fraction, data.seed, gen.num_prompts,
+    key = json.dumps([GENERATOR, target_path, split, data.source, data.heldout_fraction, data.seed, gen.num_prompts,
                       gen.max_prompt_tokens, gen.max_new_tokens, gen.temperature, gen.top_p, gen.seed])
     name = Path(target_path).name or "target"
     return cache_dir() / "generated" / f"{name}-{split}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"

@@ -13,11 +13,13 @@ identically to p and q).
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 
 @dataclass
@@ -74,6 +76,56 @@ def verify(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: 
     return gamma, int(torch.multinomial(target_probs[gamma], 1, generator=generator))
 
 
+def nucleus(logits: torch.Tensor, params: SamplingParams, candidates: int = 256
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``warp`` for a batch (B, V) without its full-vocabulary sort: (token ids, probabilities), each (B, K).
+
+    Top-p keeps few tokens, so the nucleus is searched among each row's top ``candidates`` logits
+    (probabilities from the full row's logsumexp); only the rows whose candidates hold less than ``top_p`` of
+    the mass are sorted in full. Rows shorter than K are padded with probability 0. The distribution is
+    ``warp``'s, exactly.
+    """
+    logits = logits.float() / max(params.temperature, 1e-8)
+    vocab = logits.shape[-1]
+    if params.top_k:
+        logits, ids = logits.topk(min(params.top_k, vocab), dim=-1)  # sorted, so already the candidates
+    else:
+        ids = torch.arange(vocab).expand_as(logits)
+    if params.top_p >= 1.0:
+        return ids, torch.softmax(logits, dim=-1)
+    log_total = logits.logsumexp(-1, keepdim=True)
+    values, order = logits.topk(min(candidates, logits.shape[-1]), dim=-1)
+    probs = (values - log_total).exp()
+    short = probs.sum(-1) < params.top_p
+    if bool(short.any()):
+        wide = logits.shape[-1]
+        pad = wide - probs.shape[-1]
+        probs = torch.nn.functional.pad(probs, (0, pad))
+        order = torch.nn.functional.pad(order, (0, pad))
+        full_values, full_order = logits[short].sort(dim=-1, descending=True)
+        probs[short] = (full_values - log_total[short]).exp()
+        order[short] = full_order
+    before = probs.cumsum(-1) - probs
+    probs = probs.masked_fill(before >= params.top_p, 0.0)  # the token that crosses top_p stays
+    return ids.gather(-1, order), probs / probs.sum(-1, keepdim=True)
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+                  ) -> list[int]:
+    """One next token per row of ``logits`` (B, V): argmax when greedy, else a draw from the warped distribution.
+
+    Draws by inverting the CDF with one uniform per row: ``torch.multinomial`` spends an exponential draw on
+    every vocabulary entry.
+    """
+    if params.greedy:
+        return logits.argmax(-1).tolist()
+    ids, probs = nucleus(logits, params)
+    cdf = probs.cumsum(-1)
+    u = torch.rand(cdf.shape[0], 1, generator=generator) * cdf[:, -1:]
+    picks = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[-1] - 1)
+    return ids.gather(-1, picks).squeeze(-1).tolist()
+
+
 @dataclass
 class GenerationOutput:
     tokens: list[int]
@@ -82,8 +134,6 @@ class GenerationOutput:
 
 def cache_kwarg(model) -> str:
     """transformers renamed ``past_key_values`` to ``cache``; use whichever this version's forward takes."""
-    import inspect
-
     forward = getattr(model, "inner", model).forward
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
@@ -103,14 +153,20 @@ class _CachedModel:
         self.model = model
         self.cache = DynamicCache(config=model.config)
         self.cache_kwarg = cache_kwarg(model)
+        forward = getattr(model, "inner", model).forward
+        self.keeps_logits = "logits_to_keep" in inspect.signature(forward).parameters
         self.valid = torch.zeros(batch, 0, dtype=torch.bool)
         self.lengths = [0] * batch  # context tokens per row = the next RoPE position
         self.compact_above = 32  # slots; below this, holes cost less than moving the cache
         self.compactions = 0
 
     @torch.no_grad()  # not inference_mode: the slot mask is edited in place between forwards
-    def feed(self, rows: list[list[int]]) -> list[torch.Tensor]:
-        """Append each row's tokens (rows may differ in length, even be empty); per-row logits (len_b, V)."""
+    def feed(self, rows: list[list[int]], last_only: bool = False) -> list[torch.Tensor] | torch.Tensor:
+        """Append each row's tokens (rows may differ in length, even be empty); per-row logits (len_b, V).
+
+        ``last_only``: every row is non-empty and only its last position's logits are wanted, returned as one
+        (B, V) tensor; the LM head then runs on B positions instead of B × width (a 64-prompt prefill).
+        """
         width = max(len(r) for r in rows)
         if width == 0:
             return [torch.empty(0) for _ in rows]
@@ -123,11 +179,22 @@ class _CachedModel:
         # is fully masked — a fully masked row gives NaN keys/values that would poison later attention.
         visible = torch.cat([self.valid, torch.ones(batch, width, dtype=torch.bool)], dim=1)
         mask = None if bool(visible.all()) else visible.long()
+        extra = {}
+        if last_only:
+            if min(len(r) for r in rows) == 0:
+                raise ValueError("last_only needs a token in every row")
+            if self.keeps_logits:
+                # Per-row positions (B, 1): a contiguous gather, so the head is one plain matmul.
+                extra["logits_to_keep"] = torch.tensor([[len(r) - 1] for r in rows], device=self.model.device)
         out = self.model(input_ids=ids.to(self.model.device), attention_mask=mask,
                          position_ids=positions.to(self.model.device), use_cache=True,
-                         **{self.cache_kwarg: self.cache})
+                         **{self.cache_kwarg: self.cache}, **extra)
         self.valid = torch.cat([self.valid, fed], dim=1)
         self.lengths = [n + len(r) for n, r in zip(self.lengths, rows)]
+        if last_only:
+            if extra:
+                return out.logits[:, -1]
+            return torch.stack([out.logits[b, len(r) - 1] for b, r in enumerate(rows)])
         return [out.logits[b, : len(r)] for b, r in enumerate(rows)]
 
     def keep(self, row: int, length: int) -> None:
@@ -345,25 +412,26 @@ class SpeculativeGenerator:
 
 def target_only_generate_batch(target, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id=None,
                                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                               seed: int | None = None, stop_sequences: list[list[int]] | None = None
-                               ) -> list[GenerationOutput]:
-    """The fair baseline: the same model, dtype, cache, batching and sampling code, one target call per token."""
+                               seed: int | None = None, stop_sequences: list[list[int]] | None = None,
+                               progress: bool = False) -> list[GenerationOutput]:
+    """The fair baseline: the same model, dtype, cache, batching and sampling code, one target call per token.
+
+    Also the data generator's loop (``data.generate_responses``): batched, finished rows leave the batch.
+    """
     params = SamplingParams(temperature, top_k, top_p)
     eos, stops = _stop_rule(prompts, eos_token_id, stop_sequences)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     model = _CachedModel(target.eval(), len(prompts))
     start = time.perf_counter()
-    last = [row[-1] for row in model.feed([list(p) for p in prompts])]
+    last = model.feed([list(p) for p in prompts], last_only=True)
     outputs = [GenerationOutput([], {"target_calls": 0, "tau": 1.0}) for _ in prompts]
     active = list(range(len(prompts)))
+    bar = tqdm(total=len(prompts) * max_new_tokens, desc="target-only", unit="tok", disable=not progress,
+               leave=False)
     while active:
         feed, still = [], []
-        for s, r in enumerate(active):
+        for s, (r, token) in enumerate(zip(active, sample_tokens(last, params, generator))):
             out = outputs[r]
-            if params.greedy:
-                token = int(last[s].argmax())
-            else:
-                token = int(torch.multinomial(warp(last[s], params), 1, generator=generator))
             _, done = _finish(out.tokens, [token], eos, stops, max_new_tokens - len(out.tokens))
             out.tokens.append(token)
             out.stats["target_calls"] += 1
@@ -375,12 +443,14 @@ def target_only_generate_batch(target, prompts: list[list[int]], max_new_tokens:
             else:
                 still.append(s)
                 feed.append([token])
+        bar.update(len(active))
         if not still:
             break
         if len(still) < len(active):
             model.select(still)
             active = [active[s] for s in still]
-        last = [row[-1] for row in model.feed(feed)]
+        last = model.feed(feed, last_only=True)
+    bar.close()
     return outputs
 
 

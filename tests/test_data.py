@@ -5,6 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specdistill import speculative
 from specdistill.data import (
     DataError,
     format_chat,
@@ -138,7 +139,7 @@ def test_generation_resumes_without_duplicates_or_gaps(tmp_path, tiny_tokenizer,
     reference = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "ref", **kwargs)
 
     calls = {"n": 0}
-    original = tiny_target.generate
+    original = speculative.target_only_generate_batch
 
     def dying_generate(*args, **kw):
         calls["n"] += 1
@@ -146,11 +147,11 @@ def test_generation_resumes_without_duplicates_or_gaps(tmp_path, tiny_tokenizer,
             raise Interrupt("killed")
         return original(*args, **kw)
 
-    monkeypatch.setattr(tiny_target, "generate", dying_generate)
+    monkeypatch.setattr(speculative, "target_only_generate_batch", dying_generate)
     with pytest.raises(Interrupt):
         generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "run", **kwargs)
     assert len(load_generated(tmp_path / "run")) == 6  # two complete batches survived
-    monkeypatch.setattr(tiny_target, "generate", original)
+    monkeypatch.setattr(speculative, "target_only_generate_batch", original)
     resumed = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "run", **kwargs)
     ids = sorted(resumed["prompt_id"])
     assert ids == sorted(p[0] for p in prompts)

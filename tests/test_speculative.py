@@ -8,6 +8,8 @@ from specdistill.speculative import (
     SamplingParams,
     SpeculativeGenerator,
     _CachedModel,
+    nucleus,
+    sample_tokens,
     target_only_generate,
     target_only_generate_batch,
     verify,
@@ -200,6 +202,51 @@ def test_verify_rule_preserves_target_distribution(params):
             second[emitted[1]] += 1
     assert chi_square_p(first, p[0]) > 1e-3
     assert second.sum() > 2000 and chi_square_p(second, p[1]) > 1e-3
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.95), SamplingParams(0.5, top_p=0.5),
+                                    SamplingParams(1.0, top_k=5), SamplingParams(0.8, top_k=40, top_p=0.9),
+                                    SamplingParams(2.0, top_p=0.99)])
+def test_nucleus_is_warp_without_the_full_sort(params):
+    """Batched nucleus == per-row warp, for rows whose nucleus fits in the candidates and rows that need a full sort."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 600
+    peaked = torch.randn(3, vocab, generator=g) * 6  # few tokens hold the mass: candidates suffice
+    flat = torch.randn(3, vocab, generator=g) * 0.1  # nucleus wider than 16 candidates: full-sort rows
+    logits = torch.cat([peaked, flat])
+    for candidates in (16, 256, vocab):
+        ids, probs = nucleus(logits, params, candidates=candidates)
+        dense = torch.zeros_like(logits).scatter_add(-1, ids, probs)
+        assert torch.allclose(dense, warp(logits, params), atol=1e-6), candidates
+
+
+def test_sample_tokens_follows_warp():
+    g = torch.Generator().manual_seed(4)
+    params = SamplingParams(0.7, top_p=0.9)
+    logits = torch.randn(2, 30, generator=g) * 2
+    logits[1] = 0.05 * logits[1]  # near-flat row: its nucleus needs the full sort
+    p = warp(logits, params)
+    counts = torch.zeros(2, 30)
+    for _ in range(2500):
+        for b, token in enumerate(sample_tokens(logits.repeat(4, 1), params, g)):
+            counts[b % 2, token] += 1
+    assert chi_square_p(counts[0], p[0]) > 1e-3 and chi_square_p(counts[1], p[1]) > 1e-3
+    assert sample_tokens(logits, SamplingParams(0.0)) == logits.argmax(-1).tolist()
+
+
+def test_batched_target_only_sampling_follows_target_distribution(pair):
+    """The data generator's loop: each row's first sampled token follows the target's warped distribution."""
+    target, _ = pair
+    prompts = [[2, 7, 1], [5, 5, 5, 5, 9]]
+    params = SamplingParams(0.7, top_p=0.9)
+    with torch.no_grad():
+        p = [warp(target(torch.tensor([pr])).logits[0, -1], params) for pr in prompts]
+    counts = torch.zeros(2, VOCAB)
+    for seed in range(1500):
+        outs = target_only_generate_batch(target, prompts, 2, temperature=0.7, top_p=0.9, seed=seed)
+        for b in range(2):
+            counts[b, outs[b].tokens[0]] += 1
+    assert chi_square_p(counts[0], p[0]) > 1e-3 and chi_square_p(counts[1], p[1]) > 1e-3
 
 
 def test_verify_disjoint_support_never_accepts():
