@@ -324,6 +324,7 @@ def load_generated(out_dir: str | Path) -> datasets.Dataset:
 
 # Names the loop that wrote a generated set: caches from another loop (HF generate before) sample differently.
 GENERATOR = "specdistill.target_only_generate_batch/1"
+GENERATOR_TAG = hashlib.sha256(GENERATOR.encode()).hexdigest()[:6]  # for cache folder names
 
 
 def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], out_dir: str | Path,

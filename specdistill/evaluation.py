@@ -30,7 +30,7 @@ from .acceptance import (
 )
 from .assets import cache_dir
 from .config import DraftConfig, record_run
-from .data import GENERATOR, generate_responses, load_mtbench, load_sharegpt, sharegpt_prompts, split_records
+from .data import GENERATOR_TAG, generate_responses, load_mtbench, load_sharegpt, sharegpt_prompts, split_records
 from .models import build_draft, check_pair, load_model, load_tokenizer, size_report
 from .trainer import logits_at_targets
 
@@ -64,8 +64,7 @@ def load_prompts(kind: str, n: int) -> list[tuple[str, str, list[dict]]]:
 
 def continuation_set(target, tokenizer, target_name: str, prompts, max_new_tokens: int, dtype: str) -> dict:
     ids = hashlib.sha256("\n".join(p[0] for p in prompts).encode()).hexdigest()[:12]  # str hash() is salted
-    loop = hashlib.sha256(GENERATOR.encode()).hexdigest()[:6]  # another generation loop, another cache
-    key = f"{Path(target_name).name}-{len(prompts)}-{ids}-{max_new_tokens}-{dtype}-{loop}"
+    key = f"{Path(target_name).name}-{len(prompts)}-{ids}-{max_new_tokens}-{dtype}-{GENERATOR_TAG}"
     ds = generate_responses(target, tokenizer, [(pid, m) for pid, _, m in prompts], cache_dir() / "eval" / key,
                             max_prompt_tokens=1024, max_new_tokens=max_new_tokens, batch_size=8)
     category = {pid: cat for pid, cat, _ in prompts}

@@ -29,6 +29,7 @@ from .acceptance import expected_tau, greedy_block_acceptance, token_acceptance
 from .assets import atomic_write_dir, cache_dir
 from .config import DistillConfig, GenerateConfig, record_run, to_dict
 from .data import (
+    GENERATOR_TAG,
     build_chat_dataset,
     generate_responses,
     generated_to_training,
@@ -189,7 +190,7 @@ def eval_set(target, tokenizer, cfg: DistillConfig) -> dict | None:
     # MT-bench prompts are long in small vocabularies; keep them whole rather than drop them.
     gen = GenerateConfig(num_prompts=n, max_new_tokens=cfg.train.eval_new_tokens, batch_size=8,
                          max_prompt_tokens=384)
-    key = f"{Path(cfg.target.path).name}-mtbench{n}-{gen.max_new_tokens}-{cfg.target.dtype}-L{gen.max_prompt_tokens}"
+    key = f"{Path(cfg.target.path).name}-mtbench{n}-{gen.max_new_tokens}-{cfg.target.dtype}-L{gen.max_prompt_tokens}-{GENERATOR_TAG}"
     ds = generate_responses(target, tokenizer, prompts, cache_dir() / "eval" / key, gen.max_prompt_tokens,
                             gen.max_new_tokens, gen.batch_size)
     rows = list(generated_to_training(ds))

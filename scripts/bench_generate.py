@@ -1,0 +1,87 @@
+"""Target-generated data: HF ``generate`` vs our batched loop, same prompts, same sampling, one run.
+
+    python scripts/bench_generate.py --target smollm2-135m --batch 64 --max-new-tokens 64 --repeats 3
+
+Both sample the target's warped distribution (temperature, top-p) from the same left-aligned batch of
+ShareGPT first-turn prompts; every row generates exactly ``--max-new-tokens`` tokens (EOS ignored) so both
+do the same work. Reports median tokens/s over ``--repeats`` and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from specdistill.config import record_run
+from specdistill.data import load_sharegpt, sharegpt_prompts
+from specdistill.models import load_model, load_tokenizer
+from specdistill.speculative import target_only_generate_batch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--max-prompt-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None, help="folder for bench_generate.json")
+    args = parser.parse_args()
+
+    tokenizer = load_tokenizer(args.target)
+    model = load_model(args.target, args.dtype)
+    prompts = []
+    for _, messages in sharegpt_prompts(load_sharegpt().records, 4 * args.batch, args.max_prompt_tokens * 3):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if len(ids) <= args.max_prompt_tokens:
+            prompts.append(list(ids))
+    prompts = sorted(prompts[: args.batch], key=len)  # as data.generate_responses batches them
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    new = args.max_new_tokens
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
+
+    def hf():
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           pad_token_id=pad, do_sample=True, top_k=0, **sampling)
+
+    def ours():
+        target_only_generate_batch(model, prompts, new, eos_token_id=None, seed=0, **sampling)
+
+    rates = {"HF generate": [], "ours": []}
+    for _ in range(args.repeats):  # interleaved, so drift hits both alike
+        for name, fn in (("HF generate", hf), ("ours", ours)):
+            start = time.perf_counter()
+            fn()
+            rates[name].append(len(prompts) * new / (time.perf_counter() - start))
+    medians = {name: statistics.median(r) for name, r in rates.items()}
+    result = {"batch": len(prompts), "prompt_tokens_max": width, "max_new_tokens": new, "dtype": args.dtype,
+              **sampling, "tokens_per_s": medians, "runs": rates,
+              "ratio_ours_vs_hf": medians["ours"] / medians["HF generate"]}
+    print(f"batch {len(prompts)} (prompts ≤ {width} tokens), {new} new tokens, {args.dtype}, "
+          f"T={args.temperature} top-p={args.top_p}, median of {args.repeats}:")
+    for name, rate in medians.items():
+        print(f"  {name:12s} {rate:7.1f} tok/s")
+    print(f"  ours / HF generate: {result['ratio_ours_vs_hf']:.2f}×")
+    if args.out:
+        out = record_run(Path(args.out), vars(args))
+        (out / "bench_generate.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
