@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 
 
 @dataclass
@@ -412,8 +411,8 @@ class SpeculativeGenerator:
 
 def target_only_generate_batch(target, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id=None,
                                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                               seed: int | None = None, stop_sequences: list[list[int]] | None = None,
-                               progress: bool = False) -> list[GenerationOutput]:
+                               seed: int | None = None, stop_sequences: list[list[int]] | None = None
+                               ) -> list[GenerationOutput]:
     """The fair baseline: the same model, dtype, cache, batching and sampling code, one target call per token.
 
     Also the data generator's loop (``data.generate_responses``): batched, finished rows leave the batch.
@@ -426,8 +425,6 @@ def target_only_generate_batch(target, prompts: list[list[int]], max_new_tokens:
     last = model.feed([list(p) for p in prompts], last_only=True)
     outputs = [GenerationOutput([], {"target_calls": 0, "tau": 1.0}) for _ in prompts]
     active = list(range(len(prompts)))
-    bar = tqdm(total=len(prompts) * max_new_tokens, desc="target-only", unit="tok", disable=not progress,
-               leave=False)
     while active:
         feed, still = [], []
         for s, (r, token) in enumerate(zip(active, sample_tokens(last, params, generator))):
@@ -443,14 +440,12 @@ def target_only_generate_batch(target, prompts: list[list[int]], max_new_tokens:
             else:
                 still.append(s)
                 feed.append([token])
-        bar.update(len(active))
         if not still:
             break
         if len(still) < len(active):
             model.select(still)
             active = [active[s] for s in still]
         last = model.feed(feed, last_only=True)
-    bar.close()
     return outputs
 
 

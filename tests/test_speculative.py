@@ -167,17 +167,24 @@ def test_batched_greedy_identical_to_per_row_target_only(pair, gamma, schedule):
         assert o.stats["new_tokens"] == len(o.tokens) and o.stats["tau"] >= 1.0
 
 
-def test_batched_sampling_rows_follow_target_distribution(pair):
-    """Rows of one batch sample independently and each follows the target's first-token distribution."""
+@pytest.mark.parametrize("decoder, params", [("speculative", SamplingParams(0.9, top_k=8)),
+                                             ("target_only", SamplingParams(0.7, top_p=0.9))])
+def test_batched_sampling_rows_follow_target_distribution(pair, decoder, params):
+    """Rows of one batch sample independently and each follows the target's first-token distribution, in the
+    speculative decoder and in the batched target-only loop (the data generator's)."""
     target, draft = pair
     prompts = [[2, 7, 1], [5, 5, 5, 5, 9]]
-    params = SamplingParams(0.9, top_k=8)
     with torch.no_grad():
         p = [warp(target(torch.tensor([pr])).logits[0, -1], params) for pr in prompts]
-    gen = SpeculativeGenerator(target, draft, gamma=3)
+    sampling = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p}
+    if decoder == "speculative":
+        gen = SpeculativeGenerator(target, draft, gamma=3)
+        generate = lambda seed: gen.generate_batch(prompts, max_new_tokens=2, seed=seed, **sampling)
+    else:
+        generate = lambda seed: target_only_generate_batch(target, prompts, 2, seed=seed, **sampling)
     counts = torch.zeros(2, VOCAB)
     for seed in range(1500):
-        outs = gen.generate_batch(prompts, max_new_tokens=2, temperature=0.9, top_k=8, seed=seed)
+        outs = generate(seed)
         for b in range(2):
             counts[b, outs[b].tokens[0]] += 1
     assert chi_square_p(counts[0], p[0]) > 1e-3 and chi_square_p(counts[1], p[1]) > 1e-3
@@ -232,21 +239,6 @@ def test_sample_tokens_follows_warp():
             counts[b % 2, token] += 1
     assert chi_square_p(counts[0], p[0]) > 1e-3 and chi_square_p(counts[1], p[1]) > 1e-3
     assert sample_tokens(logits, SamplingParams(0.0)) == logits.argmax(-1).tolist()
-
-
-def test_batched_target_only_sampling_follows_target_distribution(pair):
-    """The data generator's loop: each row's first sampled token follows the target's warped distribution."""
-    target, _ = pair
-    prompts = [[2, 7, 1], [5, 5, 5, 5, 9]]
-    params = SamplingParams(0.7, top_p=0.9)
-    with torch.no_grad():
-        p = [warp(target(torch.tensor([pr])).logits[0, -1], params) for pr in prompts]
-    counts = torch.zeros(2, VOCAB)
-    for seed in range(1500):
-        outs = target_only_generate_batch(target, prompts, 2, temperature=0.7, top_p=0.9, seed=seed)
-        for b in range(2):
-            counts[b, outs[b].tokens[0]] += 1
-    assert chi_square_p(counts[0], p[0]) > 1e-3 and chi_square_p(counts[1], p[1]) > 1e-3
 
 
 def test_verify_disjoint_support_never_accepts():
