@@ -117,7 +117,7 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.0
     max_steps: int = 200
-    max_minutes: float = 0.0  # 0 = no time limit; otherwise stop (and save) after this many minutes
+    max_minutes: float = 0.0  # 0 = no time limit; otherwise stop (and save) after this many minutes, LR annealed by then
     stop_at_step: int = 0  # >0: stop and save here while keeping max_steps' schedule (staged runs)
     batch_size: int = 8
     grad_accum: int = 1

@@ -286,18 +286,24 @@ def save_draft(draft, tokenizer, out: Path, extra: dict) -> Path:
 # ---------------------------------------------------------------- the loop
 
 
-def lr_lambda(cfg):
+def lr_lambda(cfg, elapsed_s=lambda: 0.0):
+    """Linear warmup, then cosine to min_lr_ratio over whichever budget ends first: max_steps or
+    max_minutes. Budgeted runs stop on the clock long before max_steps, and a step-only cosine would leave
+    them at near-peak LR, never annealed."""
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        if cfg.max_minutes:
+            progress = max(progress, elapsed_s() / (cfg.max_minutes * 60))
+        progress = min(1.0, progress)
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return f
 
 
 def run(cfg: DistillConfig, resume: bool = False) -> dict:
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import broadcast, set_seed
     from tqdm.auto import tqdm
 
     tc = cfg.train
@@ -343,10 +349,11 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
     module = DraftLoss(draft)
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc))
+    state = {"step": 0, "tokens": 0, "nonfinite_total": 0, "nonfinite_run": 0, "elapsed_s": 0.0}
+    # Reads `state` at call time, so the resumed state below is what the schedule sees.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tc, lambda: state["elapsed_s"]))
     module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)
 
-    state = {"step": 0, "tokens": 0, "nonfinite_total": 0, "nonfinite_run": 0, "elapsed_s": 0.0}
     if resume:
         ckpt = latest_checkpoint(out)
         if ckpt is None:
@@ -459,7 +466,11 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
             state["tokens"] += int(window_tokens)
             state["step"] = step + 1
             seconds = time.perf_counter() - t0
-            state["elapsed_s"] = time.perf_counter() - started
+            # Rank 0's clock for everyone: the time-based LR and the time limit must agree across ranks, or
+            # their weights drift apart and one rank stops while the others wait in a collective.
+            state["elapsed_s"] = float(broadcast(torch.tensor([time.perf_counter() - started], dtype=torch.float64,
+                                                              device=accelerator.device)).item()) if world > 1 \
+                else time.perf_counter() - started
             log({"step": state["step"], "kind": "train", "loss": step_loss if finite else float("nan"),
                  "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "loss_tokens": int(window_tokens),
                  "tokens_per_s": seq_tokens / seconds, "elapsed_s": state["elapsed_s"]})

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from specdistill.config import DistillConfig, load_config
-from specdistill.trainer import NonFiniteLossError, latest_checkpoint, run
+from specdistill.trainer import NonFiniteLossError, latest_checkpoint, lr_lambda, run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,6 +35,27 @@ def train_losses(out: Path) -> list[float]:
     lines = (out / "train_metrics.csv").read_text().splitlines()
     header = lines[0].split(",")
     return [float(line.split(",")[header.index("loss")]) for line in lines[1:]]
+
+
+def test_lr_schedule_anneals_on_whichever_budget_ends_first():
+    from specdistill.config import TrainConfig
+
+    steps_only = TrainConfig(max_steps=110, warmup_steps=10, min_lr_ratio=0.1)
+    f = lr_lambda(steps_only)
+    assert f(0) < f(9) < 1.0 and f(10) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.55) and f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+    # A 2-minute run with a 10,000-step horizon: the clock, not the step count, drives the cosine.
+    clock = {"s": 0.0}
+    timed = lr_lambda(TrainConfig(max_steps=10_000, warmup_steps=10, min_lr_ratio=0.1, max_minutes=2),
+                      lambda: clock["s"])
+    assert timed(5) < 1.0  # warmup stays step-based
+    assert timed(20) == pytest.approx(1.0, abs=1e-4)
+    clock["s"] = 60.0
+    assert timed(20) == pytest.approx(0.55)
+    clock["s"] = 120.0
+    assert timed(20) == pytest.approx(0.1)
+    clock["s"] = 1e6
+    assert timed(20) == pytest.approx(0.1)
 
 
 def test_distill_end_to_end(tiny_pair_dir, conversations, tmp_path):
