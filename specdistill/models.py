@@ -130,7 +130,16 @@ def _draft_config(target_config, cfg: DraftConfig, num_layers: int):
     heads = cfg.num_attention_heads or max(1, width // head_dim)
     gqa = max(1, target_config.num_attention_heads // target_config.num_key_value_heads)
     config.num_attention_heads = heads
-    config.num_key_value_heads = cfg.num_key_value_heads or max(1, heads // gqa)
+    kv_heads = cfg.num_key_value_heads
+    if kv_heads and heads % kv_heads:
+        raise ValueError(f"draft.num_key_value_heads={kv_heads} must divide the draft's {heads} attention heads")
+    if not kv_heads:
+        # Keep the target's grouping where it divides; otherwise (width 448 → 7 heads with groups of 3) the
+        # largest kv count that does, so grouped-query attention can share keys evenly.
+        kv_heads = max(1, heads // gqa)
+        while heads % kv_heads:
+            kv_heads -= 1
+    config.num_key_value_heads = kv_heads
     config.head_dim = head_dim
     ratio = target_config.intermediate_size / target_config.hidden_size
     config.intermediate_size = cfg.intermediate_size or int(round(width * ratio / 64) * 64)

@@ -53,3 +53,19 @@ def test_pair_check_accepts_same_tokenizer_and_names_mismatches(tiny_tokenizer):
     swapped = make_tokenizer(special=("<|endoftext|>", "<|im_end|>", "<|im_start|>"))
     with pytest.raises(PairMismatchError, match="token->id mismatch: target maps '<\\|im_start\\|>'"):
         check_pair(tiny_tokenizer, swapped)
+
+
+def test_fresh_draft_heads_always_group_evenly():
+    # SmolLM2's grouping (9 heads in 3 groups, head_dim 64) at width 448 gives 7 heads: 7 // 3 = 2 kv heads
+    # would not divide 7, and attention failed mid-training (seen in a real sweep).
+    target = make_llama(1000, hidden=576, layers=1, heads=9, kv_heads=3)  # vocab ≥ width for the SVD basis
+    draft = build_draft(target, DraftConfig(init="fresh", num_layers=1, hidden_size=448, embedding="project"))
+    assert draft.config.num_attention_heads == 7 and draft.config.num_key_value_heads == 1
+    x = torch.randint(0, 1000, (2, 5))
+    with torch.no_grad():
+        assert torch.isfinite(draft(x).logits).all()
+    kept = build_draft(target, DraftConfig(init="fresh", num_layers=1, hidden_size=384, embedding="project"))
+    assert (kept.config.num_attention_heads, kept.config.num_key_value_heads) == (6, 2)
+    with pytest.raises(ValueError, match="must divide"):
+        build_draft(target, DraftConfig(init="fresh", num_layers=1, hidden_size=448, embedding="project",
+                                        num_key_value_heads=2))
