@@ -468,9 +468,10 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
             seconds = time.perf_counter() - t0
             # Rank 0's clock for everyone: the time-based LR and the time limit must agree across ranks, or
             # their weights drift apart and one rank stops while the others wait in a collective.
-            state["elapsed_s"] = float(broadcast(torch.tensor([time.perf_counter() - started], dtype=torch.float64,
-                                                              device=accelerator.device)).item()) if world > 1 \
-                else time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            if world > 1:
+                elapsed = float(broadcast(torch.tensor([elapsed], dtype=torch.float64, device=accelerator.device)).item())
+            state["elapsed_s"] = elapsed
             log({"step": state["step"], "kind": "train", "loss": step_loss if finite else float("nan"),
                  "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "loss_tokens": int(window_tokens),
                  "tokens_per_s": seq_tokens / seconds, "elapsed_s": state["elapsed_s"]})
