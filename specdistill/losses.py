@@ -1,8 +1,8 @@
 """Distillation divergences: pure functions of student and teacher logits, computed in fp32.
 
 Every function returns per-token values; ``distill_loss`` sums them over the selected tokens, in chunks
-under activation checkpointing so that peak memory holds one chunk of fp32 vocab-sized tensors, not two
-full B×L×V ones.
+under activation checkpointing: the student's vocab-sized tensors exist for one chunk at a time, and the
+teacher's fp32 log-probs (N×V, computed once, not again in backward) are the one full-size buffer.
 """
 
 from __future__ import annotations
@@ -74,17 +74,22 @@ def cross_entropy_sum(student_logits: torch.Tensor, labels: torch.Tensor) -> tor
 
 
 def _chunk_loss(student_hidden, head_weight, teacher, labels, kind, beta, temperature, ce_weight):
-    """Summed loss of one chunk. ``teacher`` is (hidden, weight) for logits, or (ids, logp) for top-k."""
+    """Summed loss of one chunk. ``teacher`` is the teacher's log-probs (n, V) at ``temperature``, or
+    (ids, logp) for a top-k teacher."""
     logits = student_hidden @ head_weight.T
     loss = torch.zeros((), dtype=torch.float32, device=logits.device)
     if ce_weight < 1.0:
-        if teacher[0].dtype in (torch.int32, torch.int64):
+        if isinstance(teacher, tuple):
             s, t = topk_bucket(logits / temperature, teacher[0], teacher[1])
             div = divergence_from_logprobs(s, t, kind, beta)
+        elif kind == "fkl":
+            # Σ p (log p − log q) without _kl's mask: a log_softmax of finite logits is finite, so p·log p
+            # never meets 0·(−inf). Fewer vocab-sized temporaries, and the backward is q − p.
+            s = F.log_softmax(logits.float() / temperature, dim=-1)
+            p = teacher.exp()
+            div = (p * (teacher - s)).sum(-1)
         else:
-            with torch.no_grad():
-                teacher_logits = teacher[0] @ teacher[1].T
-            div = token_divergence(logits, teacher_logits, kind, beta, temperature)
+            div = divergence_from_logprobs(F.log_softmax(logits.float() / temperature, dim=-1), teacher, kind, beta)
         # T² keeps gradient scale comparable across temperatures (Hinton et al.).
         loss = loss + (1.0 - ce_weight) * div.sum() * temperature**2
     if ce_weight > 0.0:
@@ -104,8 +109,15 @@ def distill_loss(student_hidden: torch.Tensor, head_weight: torch.Tensor, teache
     topk = teacher[0].dtype in (torch.int32, torch.int64)
     for start in range(0, student_hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
-        # Top-k teachers are per-token (ids, logp); logit teachers are per-token hidden states and one head.
-        chunk_teacher = (teacher[0][rows], teacher[1][rows]) if topk else (teacher[0][rows], teacher[1])
+        # Top-k teachers are per-token (ids, logp); logit teachers are per-token hidden states and one head,
+        # turned into log-probs here, outside the checkpoint, so backward does not recompute them.
+        if topk:
+            chunk_teacher = (teacher[0][rows], teacher[1][rows])
+        elif ce_weight < 1.0:
+            with torch.no_grad():
+                chunk_teacher = F.log_softmax((teacher[0][rows] @ teacher[1].T).float() / temperature, dim=-1)
+        else:
+            chunk_teacher = teacher[0][rows]  # CE only: never read
         args = (student_hidden[rows], head_weight, chunk_teacher, labels[rows], kind, beta, temperature, ce_weight)
         if torch.is_grad_enabled() and student_hidden.requires_grad:
             total = total + checkpoint(_chunk_loss, *args, use_reentrant=False)

@@ -1,0 +1,164 @@
+"""Equal-budget recipe comparison: each divergence, each data mode and the CE baseline, same draft, same clock.
+
+    python scripts/recipes.py --config configs/smollm2-135m-quick.yaml --minutes 5 --out runs/recipes
+
+Every recipe trains the config's draft from the same init for ``--minutes`` of training-loop time (the
+cosine LR anneals on that clock, so no run is cut mid-schedule), then one ``eval.py`` run measures all of
+them, plus the untrained init, on the same MT-bench prompts: α greedy / T=1 by category, τ(γ), the cost
+ratio c and the expected speedup. Writes ``recipes.json``, ``recipes.md`` (one table, τ relative to CE) and
+``recipes.png``. Wall time per recipe is recorded too: the offline teacher cache is built before the
+training clock starts, and a fair reading counts it.
+
+Resumable: a recipe whose run folder holds ``draft/`` is not retrained (an interrupted one resumes from its
+newest checkpoint), and acceptance is re-evaluated only when the set of drafts changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from accelerate.utils import set_seed
+
+from specdistill import evaluation
+from specdistill.config import DistillConfig, load_config, record_run
+from specdistill.models import build_draft, load_model, load_tokenizer
+from specdistill.trainer import run as train_run
+
+# name -> overrides on top of the config. CE is the SFT / sequence-level KD baseline on the same replies.
+RECIPES = {
+    "ce": ["train.objective=ce"],
+    "fkl": ["train.objective=distill", "train.loss=fkl"],
+    "rkl": ["train.objective=distill", "train.loss=rkl"],
+    "jsd": ["train.objective=distill", "train.loss=jsd"],
+    "tvd": ["train.objective=distill", "train.loss=tvd"],
+    "fkl-fixed": ["train.objective=distill", "train.loss=fkl", "train.data_mode=fixed"],
+    "fkl-onpolicy": ["train.objective=distill", "train.loss=fkl", "train.data_mode=onpolicy"],
+    "fkl-cache": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache"],
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated subset of {list(RECIPES)}")
+    parser.add_argument("--minutes", type=float, default=5.0, help="training-loop minutes per recipe")
+    parser.add_argument("--prompts", default="mtbench")
+    parser.add_argument("--num-prompts", type=int, default=80)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--gammas", default="1..8")
+    parser.add_argument("--out", default="runs/recipes")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides applied to every recipe, last")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.recipes.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown:
+        raise SystemExit(f"--recipes: unknown {unknown}; choose from {list(RECIPES)}")
+    gammas = evaluation.parse_gammas(args.gammas)
+    out = Path(args.out)
+    record_run(out, vars(args))
+
+    state_path = out / "recipes.json"
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {"runs": {}}
+    # A huge step cap makes the clock the only budget, so every recipe anneals over the same minutes;
+    # trailing overrides come last, so they can still cap steps (the tests do).
+    budget = [f"train.max_minutes={args.minutes}", "train.max_steps=1000000", "train.eval_prompts=0",
+              "train.save_every=100000"]
+    drafts = {}
+    for name in names:
+        run_dir = out / name
+        cfg = load_config(DistillConfig, args.config, [*budget, *RECIPES[name], *args.overrides,
+                                                       f"output_dir={run_dir}"])
+        if not (run_dir / "draft").is_dir():
+            print(f"== train {name}: {' '.join(RECIPES[name])}")
+            started = time.perf_counter()
+            result = train_run(cfg, resume=(run_dir / "checkpoints").is_dir())
+            if result["interrupted"]:
+                return 1
+            state["runs"][name] = {"steps": result["steps"], "loss_tokens": result["loss_tokens"],
+                                   "train_minutes": result["elapsed_s"] / 60,
+                                   "wall_minutes": (time.perf_counter() - started) / 60,
+                                   "overrides": RECIPES[name]}
+            state_path.write_text(json.dumps(state, indent=2))
+        drafts[name] = str(run_dir / "draft")
+    target_path = cfg.target.path
+
+    eval_dir = out / "eval"
+    metrics = eval_dir / "metrics.json"
+    wanted = {"init", *drafts}
+    if not metrics.is_file() or set(json.loads(metrics.read_text())["drafts"]) != wanted:
+        print("== acceptance of every recipe (and the untrained init) on the same prompts")
+        eval_args = ["--target", target_path, "--prompts", args.prompts, "--num-prompts", str(args.num_prompts),
+                     "--max-new-tokens", str(args.max_new_tokens), "--gamma", args.gammas, "--temperatures", "0,1",
+                     "--output-dir", str(eval_dir), "--draft", save_init(cfg, out / "draft-init"), "--name", "init"]
+        for name, path in drafts.items():
+            eval_args += ["--draft", path, "--name", name]
+        evaluation.main(eval_args)
+    report = json.loads(metrics.read_text())["drafts"]
+
+    rows = []
+    tau_gamma = 5 if 5 in gammas else max(gammas)  # the issue's τ(γ=5) when the grid has it
+    ce_tau = report["ce"]["tau"][f"0/{tau_gamma}"] if "ce" in report else None
+    for name in ["init", *drafts]:
+        d, run = report[name], state["runs"].get(name, {})
+        best_gamma = max(gammas, key=lambda g: d["expected_speedup"][f"0/{g}"])
+        rows.append({"recipe": name, "steps": run.get("steps", 0), "train_minutes": run.get("train_minutes", 0.0),
+                     "wall_minutes": run.get("wall_minutes", 0.0), "loss_tokens": run.get("loss_tokens", 0),
+                     "alpha": d["alpha"]["0"], "alpha_t1": d["alpha"].get("1"), "tau": d["tau"][f"0/{tau_gamma}"],
+                     "tau_vs_ce": d["tau"][f"0/{tau_gamma}"] / ce_tau - 1 if ce_tau else None, "c": d["cost_ratio"],
+                     "best_gamma": best_gamma, "best_expected": d["expected_speedup"][f"0/{best_gamma}"]})
+    state["rows"] = rows
+    state_path.write_text(json.dumps(state, indent=2))
+    table = [(f"| recipe | steps | train min | wall min | loss tokens | α greedy | α T=1 | τ(γ={tau_gamma}) | τ vs CE | c "
+             "| best γ (expected) |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        vs_ce = f"{r['tau_vs_ce']:+.1%}" if r["tau_vs_ce"] is not None else "—"
+        table.append(f"| {r['recipe']} | {r['steps']} | {r['train_minutes']:.1f} | {r['wall_minutes']:.1f} "
+                     f"| {r['loss_tokens']:,} | {r['alpha']:.3f} | {r['alpha_t1']:.3f} | {r['tau']:.2f} | {vs_ce} "
+                     f"| {r['c']:.3f} | {r['best_gamma']} ({r['best_expected']:.2f}×) |")
+    trained = [r for r in rows if r["recipe"] != "init"]
+    winner = max(trained, key=lambda r: r["tau"])
+    verdict = (f"best at equal budget ({args.minutes:g} min): {winner['recipe']}, τ(γ={tau_gamma}) "
+               f"{winner['tau']:.2f}")
+    (out / "recipes.md").write_text("\n".join(table) + f"\n\n{verdict}\n")
+    plot(rows, out / "recipes.png", args.minutes)
+    print("\n".join(table) + f"\n\n{verdict}\nwrote {out}/recipes.md, {out}/recipes.png")
+    return 0
+
+
+def save_init(cfg: DistillConfig, path: Path) -> str:
+    """The config's draft layout at init (same seed as the runs; built from the fp32 target)."""
+    if not (path / "config.json").is_file():
+        set_seed(cfg.train.seed)
+        build_draft(load_model(cfg.target.path, "float32"), cfg.draft).save_pretrained(path)
+        load_tokenizer(cfg.target.path).save_pretrained(path)
+    return str(path)
+
+
+def plot(rows: list[dict], path: Path, minutes: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["recipe"] for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(rows), 3.6))
+    ax.bar([i - 0.2 for i in x], [r["alpha"] for r in rows], width=0.4, label="α greedy")
+    ax.bar([i + 0.2 for i in x], [r["alpha_t1"] for r in rows], width=0.4, label="α T=1")
+    ax.set_xticks(list(x), names, rotation=30, ha="right")
+    ax.set_ylabel("token acceptance on MT-bench")
+    ax.set_title(f"recipes at an equal budget of {minutes:g} training minutes")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
