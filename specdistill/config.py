@@ -181,10 +181,18 @@ class DemoConfig:
     gammas: str = "1..8"
     question_index: int = 0
     decode_new_tokens: int = 128
+    # Wall-clock budget for the whole demo (0 = off): the training gets what is left after the data is
+    # generated, less `reserve_minutes` for eval/decode/export, capped by the preset and floored below.
+    max_total_minutes: float = 0.0
+    reserve_minutes: float = 6.0
+    min_train_minutes: float = 3.0
     output_dir: str = "runs/demo"
 
     def __post_init__(self):
         _check(self.eval_prompts >= 1, "eval_prompts", "must be >= 1")
+        _check(self.max_total_minutes >= 0, "max_total_minutes", "must be >= 0 (0 = no budget)")
+        _check(self.reserve_minutes >= 0 and self.min_train_minutes > 0, "min_train_minutes",
+               "must be > 0 (and reserve_minutes >= 0)")
         _check(self.decode_new_tokens >= 1, "decode_new_tokens", "must be >= 1")
 
 
