@@ -478,8 +478,10 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
             if state["step"] % tc.eval_every == 0 or state["step"] == tc.max_steps:
                 last_eval = evaluate(state["step"])
             bar.update(1)
+            # A clock-bound run's step total is only a cap: show the minutes left, the real ETA.
+            clock = {"min_left": f"{max(0.0, tc.max_minutes - state['elapsed_s'] / 60):.1f}"} if tc.max_minutes else {}
             bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{seq_tokens / seconds:.0f}",
-                            alpha=f"{last_eval.get('alpha_greedy', float('nan')):.3f}")
+                            alpha=f"{last_eval.get('alpha_greedy', float('nan')):.3f}", **clock)
             out_of_time = bool(tc.max_minutes and state["elapsed_s"] > tc.max_minutes * 60)
             out_of_time = out_of_time or state["step"] == tc.stop_at_step
             if state["step"] % tc.save_every == 0 or stop["signal"] or out_of_time:
