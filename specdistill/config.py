@@ -89,9 +89,13 @@ class GenerateConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
+    # > 0: also keep the target's top-k log-probs behind each reply token, the teacher for
+    # train.data_mode=cache at no extra target pass (else the cache costs one forward over the set).
+    teacher_top_k: int = 0
 
     def __post_init__(self):
         _check(self.num_prompts >= 1, "generate.num_prompts", "must be >= 1")
+        _check(self.teacher_top_k >= 0, "generate.teacher_top_k", "must be >= 0 (0 = do not store the teacher)")
         _check(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
         _check(self.max_prompt_tokens >= 1, "generate.max_prompt_tokens", "must be >= 1")
         _check(self.batch_size >= 1, "generate.batch_size", "must be >= 1")
@@ -168,6 +172,11 @@ class DistillConfig:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     output_dir: str = "runs/distill"
+
+    def __post_init__(self):
+        stored = self.generate.teacher_top_k
+        _check(not (self.train.data_mode == "cache" and stored) or self.train.cache_top_k <= stored,
+               "train.cache_top_k", f"must be <= generate.teacher_top_k ({stored}), the entries stored per token")
 
 
 @dataclass

@@ -308,6 +308,11 @@ GENERATED_FEATURES = datasets.Features({
     "response_ids": datasets.Sequence(datasets.Value("int32")),
     "finished": datasets.Value("bool"),
 })
+# With generate.teacher_top_k: per reply token, the target's top-k ids and log-probs (the free teacher cache).
+TEACHER_FEATURES = {
+    "topk_ids": datasets.Sequence(datasets.Sequence(datasets.Value("int32"))),
+    "topk_logp": datasets.Sequence(datasets.Sequence(datasets.Value("float16"))),
+}
 
 
 def _shards(out_dir: Path) -> list[Path]:
@@ -329,13 +334,18 @@ GENERATOR_TAG = hashlib.sha256(GENERATOR.encode()).hexdigest()[:6]  # for cache 
 
 def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], out_dir: str | Path,
                        max_prompt_tokens: int, max_new_tokens: int, batch_size: int, temperature: float = 0.0,
-                       top_p: float = 1.0, seed: int = 0, max_batches: int | None = None) -> datasets.Dataset:
+                       top_p: float = 1.0, seed: int = 0, max_batches: int | None = None,
+                       teacher_top_k: int = 0) -> datasets.Dataset:
     """Generate the target's own replies to ``prompts`` (``(id, messages)``) into Arrow shards.
+
+    ``teacher_top_k`` > 0 also stores, per reply token, the target's top-k log-probs (T=1) from the very
+    forward that sampled it: logit distillation's teacher at no extra target pass (``train.data_mode=cache``).
 
     Each finished batch is one shard, written atomically, so a killed run resumes and redoes at most
     the batch in flight. Prompts are sorted by length (less padding); a shard's seed depends only on its
     index, so a resumed run samples exactly what an uninterrupted one would.
     """
+    import torch
     from tqdm.auto import tqdm
 
     from .speculative import target_only_generate_batch
@@ -345,6 +355,8 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
     settings = {"generator": GENERATOR, "max_prompt_tokens": max_prompt_tokens, "max_new_tokens": max_new_tokens,
                 "batch_size": batch_size, "temperature": temperature, "top_p": top_p, "seed": seed,
                 "prompt_ids": hashlib.sha256("\n".join(p[0] for p in prompts).encode()).hexdigest()[:16]}
+    if teacher_top_k:  # only then, so folders written before this option keep matching their settings
+        settings["teacher_top_k"] = teacher_top_k
     meta_path = out_dir / "settings.json"
     if meta_path.is_file():
         previous = json.loads(meta_path.read_text())
@@ -379,11 +391,17 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
         # A shard's seed depends only on its index, so a resumed run samples what an uninterrupted one would.
         outputs = target_only_generate_batch(model, [ids for _, ids in batch], max_new_tokens, eos_ids,
                                              temperature=temperature, top_p=top_p,
-                                             seed=seed * 1_000_003 + index)
+                                             seed=seed * 1_000_003 + index, record_top_k=teacher_top_k)
         rows = [{"prompt_id": prompt_id, "prompt_ids": ids, "response_ids": out.tokens,
                  "finished": bool(out.tokens) and out.tokens[-1] in eos_ids}
                 for (prompt_id, ids), out in zip(batch, outputs)]
-        shard = datasets.Dataset.from_list(rows, features=GENERATED_FEATURES)
+        features = GENERATED_FEATURES
+        if teacher_top_k:
+            features = datasets.Features({**GENERATED_FEATURES, **TEACHER_FEATURES})
+            for row, out in zip(rows, outputs):
+                row["topk_ids"] = torch.stack([ids for ids, _ in out.teacher]).int().tolist()
+                row["topk_logp"] = torch.stack([logp for _, logp in out.teacher]).half().float().tolist()
+        shard = datasets.Dataset.from_list(rows, features=features)
         from .assets import atomic_write_dir
 
         atomic_write_dir(out_dir / f"shard-{index:05d}", lambda tmp, shard=shard: shard.save_to_disk(str(tmp)))
@@ -400,6 +418,32 @@ def _eos_ids(model, tokenizer) -> list[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return sorted(ids)
+
+
+def generated_to_teacher_rows(ds: datasets.Dataset, seq_len: int, top_k: int) -> datasets.Dataset:
+    """Generated rows with a stored teacher -> the offline teacher cache's layout (``trainer.build_teacher_cache``).
+
+    The teacher rows follow the loss positions in order, cut where ``seq_len`` cuts the reply, and keep the
+    ``top_k`` most likely of the stored entries (stored sorted, so that is again a top-k).
+    """
+    if "topk_ids" not in ds.column_names:
+        raise DataError("this generated set holds no teacher log-probs: generate it with generate.teacher_top_k > 0")
+    stored = len(ds[0]["topk_ids"][0]) if len(ds) and ds[0]["topk_ids"] else top_k
+    if top_k > stored:
+        raise DataError(f"train.cache_top_k={top_k} exceeds the {stored} teacher entries stored per token "
+                        f"(generate.teacher_top_k)")
+
+    def convert(row):
+        prompt, reply = row["prompt_ids"], row["response_ids"]
+        kept = max(0, min(len(reply), seq_len - len(prompt)))
+        return {"input_ids": (prompt + reply)[:seq_len], "loss_mask": ([0] * len(prompt) + [1] * len(reply))[:seq_len],
+                "topk_ids": [t[:top_k] for t in row["topk_ids"][:kept]],
+                "topk_logp": [t[:top_k] for t in row["topk_logp"][:kept]]}
+
+    return ds.map(convert, remove_columns=ds.column_names, desc="pack generated data + teacher",
+                  features=datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
+                                              "loss_mask": datasets.Sequence(datasets.Value("int8")),
+                                              **TEACHER_FEATURES}))
 
 
 def generated_to_training(ds: datasets.Dataset) -> datasets.Dataset:
@@ -432,8 +476,11 @@ def generated_dir(target_path: str, gen, data, split: str = "train") -> Path:
     """Cache folder for target-generated data, keyed by target, source data and generation settings."""
     from .assets import cache_dir
 
-    key = json.dumps([GENERATOR, target_path, split, data.source, data.heldout_fraction, data.seed, gen.num_prompts,
-                      gen.max_prompt_tokens, gen.max_new_tokens, gen.temperature, gen.top_p, gen.seed])
+    parts = [GENERATOR, target_path, split, data.source, data.heldout_fraction, data.seed, gen.num_prompts,
+             gen.max_prompt_tokens, gen.max_new_tokens, gen.temperature, gen.top_p, gen.seed]
+    if gen.teacher_top_k:  # appended only when set, so existing caches keep their folder
+        parts.append(f"teacher-top{gen.teacher_top_k}")
+    key = json.dumps(parts)
     name = Path(target_path).name or "target"
     return cache_dir() / "generated" / f"{name}-{split}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
@@ -448,7 +495,8 @@ def target_generated_dataset(model, tokenizer, target_path: str, data, gen, reco
     prompts = sharegpt_prompts(records, gen.num_prompts, max_chars=gen.max_prompt_tokens * 3, seed=gen.seed)
     return generate_responses(model, tokenizer, prompts, generated_dir(target_path, gen, data, split),
                               max_prompt_tokens=gen.max_prompt_tokens, max_new_tokens=gen.max_new_tokens,
-                              batch_size=gen.batch_size, temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed)
+                              batch_size=gen.batch_size, temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed,
+                              teacher_top_k=gen.teacher_top_k)
 
 
 def load_conversations(data) -> list[dict]:

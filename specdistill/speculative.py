@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .losses import teacher_topk
+
 
 @dataclass
 class SamplingParams:
@@ -129,6 +131,8 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
 class GenerationOutput:
     tokens: list[int]
     stats: dict = field(default_factory=dict)
+    # With ``record_top_k``: per new token, the target's top-k (ids, log-probs at T=1) of the logits it came from.
+    teacher: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def cache_kwarg(model) -> str:
@@ -411,12 +415,15 @@ class SpeculativeGenerator:
 
 def target_only_generate_batch(target, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id=None,
                                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                               seed: int | None = None, stop_sequences: list[list[int]] | None = None
-                               ) -> list[GenerationOutput]:
+                               seed: int | None = None, stop_sequences: list[list[int]] | None = None,
+                               record_top_k: int = 0) -> list[GenerationOutput]:
     """The fair baseline: the same model, dtype, cache, batching and sampling code, one target call per token.
 
     Also the data generator's loop (``data.generate_responses``): batched, finished rows leave the batch.
+    ``record_top_k`` keeps the target's top-k log-probs behind every new token: the distillation teacher at
+    those positions, already paid for by the generation forward.
     """
+
     params = SamplingParams(temperature, top_k, top_p)
     eos, stops = _stop_rule(prompts, eos_token_id, stop_sequences)
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -427,6 +434,10 @@ def target_only_generate_batch(target, prompts: list[list[int]], max_new_tokens:
     active = list(range(len(prompts)))
     while active:
         feed, still = [], []
+        if record_top_k:
+            top_ids, top_logp = teacher_topk(last, record_top_k)
+            for s, r in enumerate(active):
+                outputs[r].teacher.append((top_ids[s], top_logp[s]))
         for s, (r, token) in enumerate(zip(active, sample_tokens(last, params, generator))):
             out = outputs[r]
             _, done = _finish(out.tokens, [token], eos, stops, max_new_tokens - len(out.tokens))

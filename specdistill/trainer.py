@@ -32,6 +32,7 @@ from .data import (
     GENERATOR_TAG,
     build_chat_dataset,
     generate_responses,
+    generated_to_teacher_rows,
     generated_to_training,
     load_conversations,
     load_mtbench,
@@ -114,6 +115,8 @@ def training_rows(cfg: DistillConfig, target, tokenizer, accelerator):
             return build_chat_dataset(tokenizer, train, cfg.train.seq_len)
     with accelerator.main_process_first():
         generated = target_generated_dataset(target, tokenizer, cfg.target.path, cfg.data, cfg.generate)
+    if cfg.train.data_mode == "cache" and cfg.generate.teacher_top_k:
+        return generated_to_teacher_rows(generated, cfg.train.seq_len, cfg.train.cache_top_k)
     return generated_to_training(generated)
 
 
@@ -337,9 +340,11 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
         rows = rows.select(range(min(tc.max_train_rows, len(rows))))
     evalset = eval_set(target, tokenizer, cfg) if accelerator.is_main_process else None
     if tc.data_mode == "cache":
-        cache_key = f"teacher-{rows._fingerprint}-k{tc.cache_top_k}-L{tc.seq_len}-{cfg.target.dtype}"
-        with accelerator.main_process_first():
-            rows = build_teacher_cache(target, rows, cfg, tokenizer.pad_token_id, cache_dir() / "teacher" / cache_key)
+        if "topk_ids" not in rows.column_names:  # no teacher stored at generation: one target pass over the set
+            cache_key = f"teacher-{rows._fingerprint}-k{tc.cache_top_k}-L{tc.seq_len}-{cfg.target.dtype}"
+            with accelerator.main_process_first():
+                rows = build_teacher_cache(target, rows, cfg, tokenizer.pad_token_id,
+                                           cache_dir() / "teacher" / cache_key)
         del target  # the cache replaces the teacher: train without it in memory
         target = None
     num_rows = len(rows)

@@ -10,6 +10,7 @@ from specdistill.data import (
     DataError,
     format_chat,
     generate_responses,
+    generated_to_teacher_rows,
     is_heldout,
     load_generated,
     load_sharegpt,
@@ -159,3 +160,38 @@ def test_generation_resumes_without_duplicates_or_gaps(tmp_path, tiny_tokenizer,
         sorted(zip(reference["prompt_id"], map(tuple, reference["response_ids"])))
     with pytest.raises(DataError, match="other settings"):
         generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "run", **{**kwargs, "seed": 8})
+
+
+def test_generation_stores_the_teacher_it_sampled_from(tmp_path, tiny_tokenizer, tiny_target):
+    """generate.teacher_top_k: the stored top-k is the target's full-forward top-k at each loss position."""
+    import torch
+
+    from specdistill.losses import teacher_topk
+    from specdistill.trainer import pad_batch
+
+    prompts = [(f"p{i}", [{"role": "user", "content": "word " * (i % 4 + 1)}]) for i in range(6)]
+    kwargs = {"max_prompt_tokens": 64, "max_new_tokens": 7, "batch_size": 4, "temperature": 0.0}
+    plain = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "plain", **kwargs)
+    stored = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "teacher", teacher_top_k=5, **kwargs)
+    assert list(map(tuple, stored["response_ids"])) == list(map(tuple, plain["response_ids"]))  # same sampling
+    rows = generated_to_teacher_rows(stored, seq_len=10_000, top_k=3)
+    for gen_row, row in zip(stored, rows):
+        reply = gen_row["response_ids"]
+        assert len(gen_row["topk_ids"]) == len(reply) and all(len(t) == 5 for t in gen_row["topk_ids"])
+        assert [t[0] for t in gen_row["topk_ids"]] == reply  # greedy: each token is its own top-1
+        batch = pad_batch([row], 10_000, tiny_tokenizer.pad_token_id)
+        with torch.inference_mode():
+            logits = tiny_target(input_ids=batch["input_ids"]).logits[0, :-1][batch["select"][0]]
+        ids, logp = teacher_topk(logits, 3)
+        assert torch.equal(torch.tensor(row["topk_ids"]), ids)
+        torch.testing.assert_close(torch.tensor(row["topk_logp"]), logp, atol=2e-3, rtol=2e-3)  # stored as fp16
+
+    # A reply cut by seq_len keeps exactly the teacher rows of its kept loss positions.
+    cut_len = len(stored[0]["prompt_ids"]) + 3
+    for row in generated_to_teacher_rows(stored, seq_len=cut_len, top_k=5):
+        select = pad_batch([row], cut_len, tiny_tokenizer.pad_token_id)["select"]
+        assert len(row["topk_ids"]) == int(select.sum())
+    with pytest.raises(DataError, match="exceeds the 5 teacher entries"):
+        generated_to_teacher_rows(stored, seq_len=64, top_k=6)
+    with pytest.raises(DataError, match="no teacher log-probs"):
+        generated_to_teacher_rows(plain, seq_len=64, top_k=2)

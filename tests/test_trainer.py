@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdistill.config import DistillConfig, load_config
+from specdistill.config import ConfigError, DistillConfig, load_config
 from specdistill.trainer import NonFiniteLossError, latest_checkpoint, lr_lambda, run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,6 +132,19 @@ def test_generated_and_onpolicy_and_cache_modes(tiny_pair_dir, conversations, tm
         result = run(config(tiny_pair_dir, conversations, tmp_path / mode, f"train.data_mode={mode}", *common, *extra))
         assert result["steps"] == 3 and result["loss_tokens"] > 0, mode
     assert any((tmp_path / "cache" / "teacher").iterdir())
+
+
+def test_cache_mode_uses_the_teacher_stored_at_generation(tiny_pair_dir, conversations, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    result = run(config(tiny_pair_dir, conversations, tmp_path / "gen-cache", "train.data_mode=cache",
+                        "generate.teacher_top_k=6", "train.cache_top_k=4", "generate.num_prompts=8",
+                        "generate.max_new_tokens=8", "generate.batch_size=4", "train.max_steps=3",
+                        "train.eval_prompts=0"))
+    assert result["steps"] == 3 and result["loss_tokens"] > 0
+    assert not (tmp_path / "cache" / "teacher").exists()  # no second target pass over the set
+    with pytest.raises(ConfigError, match="cache_top_k: must be <= generate.teacher_top_k"):
+        config(tiny_pair_dir, conversations, tmp_path / "bad", "train.data_mode=cache", "generate.teacher_top_k=4",
+               "train.cache_top_k=8")
 
 
 def _cli(pair, data, out, *extra):
