@@ -4,7 +4,8 @@
 
 Both sample the target's warped distribution (temperature, top-p) from the same left-aligned batch of
 ShareGPT first-turn prompts; every row generates exactly ``--max-new-tokens`` tokens (EOS ignored) so both
-do the same work. Reports median tokens/s over ``--repeats`` and the ratio.
+do the same work. Reports median tokens/s over ``--repeats`` and the ratio; ``--record-top-k`` (default 64)
+adds our loop keeping the target's top-k log-probs per token, the cost of ``generate.teacher_top_k``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def main() -> int:
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--record-top-k", type=int, default=64,
+                        help="also time our loop while it keeps the target's top-k log-probs "
+                             "(generate.teacher_top_k); 0 skips it")
     parser.add_argument("--out", default=None, help="folder for bench_generate.json")
     args = parser.parse_args()
 
@@ -62,9 +66,16 @@ def main() -> int:
     def ours():
         target_only_generate_batch(model, prompts, new, eos_token_id=None, seed=0, **sampling)
 
-    rates = {"HF generate": [], "ours": []}
-    for _ in range(args.repeats):  # interleaved, so drift hits both alike
-        for name, fn in (("HF generate", hf), ("ours", ours)):
+    def ours_with_teacher():
+        target_only_generate_batch(model, prompts, new, eos_token_id=None, seed=0, record_top_k=args.record_top_k,
+                                   **sampling)
+
+    runs = [("HF generate", hf), ("ours", ours)]
+    if args.record_top_k:
+        runs.append((f"ours + top-{args.record_top_k}", ours_with_teacher))
+    rates = {name: [] for name, _ in runs}
+    for _ in range(args.repeats):  # interleaved, so drift hits all alike
+        for name, fn in runs:
             start = time.perf_counter()
             fn()
             rates[name].append(len(prompts) * new / (time.perf_counter() - start))
@@ -72,11 +83,15 @@ def main() -> int:
     result = {"batch": len(prompts), "prompt_tokens_max": width, "max_new_tokens": new, "dtype": args.dtype,
               **sampling, "tokens_per_s": medians, "runs": rates,
               "ratio_ours_vs_hf": medians["ours"] / medians["HF generate"]}
+    if args.record_top_k:
+        result["ratio_teacher_capture_vs_ours"] = medians[runs[2][0]] / medians["ours"]
     print(f"batch {len(prompts)} (prompts ≤ {width} tokens), {new} new tokens, {args.dtype}, "
           f"T={args.temperature} top-p={args.top_p}, median of {args.repeats}:")
     for name, rate in medians.items():
         print(f"  {name:12s} {rate:7.1f} tok/s")
     print(f"  ours / HF generate: {result['ratio_ours_vs_hf']:.2f}×")
+    if args.record_top_k:
+        print(f"  with top-{args.record_top_k} capture / without: {result['ratio_teacher_capture_vs_ours']:.2f}×")
     if args.out:
         out = record_run(Path(args.out), vars(args))
         (out / "bench_generate.json").write_text(json.dumps(result, indent=2))

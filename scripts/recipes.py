@@ -31,15 +31,18 @@ from specdistill.models import build_draft, load_model, load_tokenizer
 from specdistill.trainer import run as train_run
 
 # name -> overrides on top of the config. CE is the SFT / sequence-level KD baseline on the same replies.
+# Each names its data mode, so a preset's own choice never changes what a recipe means.
 RECIPES = {
-    "ce": ["train.objective=ce"],
-    "fkl": ["train.objective=distill", "train.loss=fkl"],
-    "rkl": ["train.objective=distill", "train.loss=rkl"],
-    "jsd": ["train.objective=distill", "train.loss=jsd"],
-    "tvd": ["train.objective=distill", "train.loss=tvd"],
+    "ce": ["train.objective=ce", "train.data_mode=generated"],
+    "fkl": ["train.objective=distill", "train.loss=fkl", "train.data_mode=generated"],
+    "rkl": ["train.objective=distill", "train.loss=rkl", "train.data_mode=generated"],
+    "jsd": ["train.objective=distill", "train.loss=jsd", "train.data_mode=generated"],
+    "tvd": ["train.objective=distill", "train.loss=tvd", "train.data_mode=generated"],
     "fkl-fixed": ["train.objective=distill", "train.loss=fkl", "train.data_mode=fixed"],
     "fkl-onpolicy": ["train.objective=distill", "train.loss=fkl", "train.data_mode=onpolicy"],
+    # The teacher's top-k: stored at generation when generate.teacher_top_k > 0, else one offline pass.
     "fkl-cache": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache"],
+    "fkl-cache-ce": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache", "train.ce_weight=0.5"],
 }
 
 

@@ -183,7 +183,7 @@ class DistillConfig:
 class DemoConfig:
     """``make demo``: distil with a preset, evaluate init vs distilled, decode one MT-bench prompt."""
 
-    distill_config: str = "configs/smollm2-135m-quick-ce.yaml"
+    distill_config: str = "configs/smollm2-135m-quick.yaml"
     distill_overrides: list[str] = field(default_factory=list)
     eval_prompts: int = 80
     eval_new_tokens: int = 128

@@ -1,7 +1,7 @@
 """What ``make demo`` runs: the embedded default end to end.
 
-Train the draft with the quick CE preset (sequence-level KD on the target's own replies: the best measured
-recipe per CPU-minute; target-generated data is cached after the first run) → acceptance of the draft at
+Train the draft with the quick preset (FKL distillation on the target's own replies from the teacher top-k
+stored at generation: the best measured recipe per CPU-minute; the generated set is cached after the first run) → acceptance of the draft at
 init vs trained on MT-bench → a speculative decode of one MT-bench prompt against target-only decoding →
 export for serving.
 """
@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {elapsed:.1f} min so far: training for {minutes:.1f} min (preset {dcfg.train.max_minutes:g}) "
                   f"to finish within max_total_minutes={cfg.max_total_minutes:g}")
             dcfg.train.max_minutes = minutes
-    what = "CE on target-generated replies" if dcfg.train.objective == "ce" else f"{dcfg.train.loss} distillation"
+    what = ("CE on target-generated replies" if dcfg.train.objective == "ce"
+            else f"{dcfg.train.loss} distillation ({dcfg.train.data_mode} teacher)")
     print(f"== 1/4 train the draft: {what} ({cfg.distill_config})")
     trained = distill_run(dcfg)
     draft_dir = Path(dcfg.output_dir) / "draft"
