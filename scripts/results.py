@@ -65,7 +65,8 @@ def acceptance_section(reports: list[tuple[Path, dict]]) -> list[str]:
                          f"{d['cost_ratio']:.3f} | {d['best_gamma']['0']} ({d['best_speedup']['0']:.2f}×) | "
                          f"`{command}` |")
             if d.get("alpha_by_category", {}).get("0"):
-                categories[f"{folder.name}/{name}"] = d["alpha_by_category"]["0"]
+                # The whole folder path: two reports may each hold a draft named "ce" or "trained".
+                categories[f"`{folder}` {name}"] = d["alpha_by_category"]["0"]
     if categories:
         names = sorted({c for v in categories.values() for c in v})
         lines += ["", "Greedy α by MT-bench category:", "", "| draft | " + " | ".join(names) + " |",
