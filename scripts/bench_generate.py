@@ -63,16 +63,14 @@ def main() -> int:
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                            pad_token_id=pad, do_sample=True, top_k=0, **sampling)
 
-    def ours():
-        target_only_generate_batch(model, prompts, new, eos_token_id=None, seed=0, **sampling)
-
-    def ours_with_teacher():
-        target_only_generate_batch(model, prompts, new, eos_token_id=None, seed=0, record_top_k=args.record_top_k,
+    def ours(record_top_k: int = 0):
+        target_only_generate_batch(model, prompts, new, eos_token_id=None, seed=0, record_top_k=record_top_k,
                                    **sampling)
 
+    capture = f"ours + top-{args.record_top_k}"
     runs = [("HF generate", hf), ("ours", ours)]
     if args.record_top_k:
-        runs.append((f"ours + top-{args.record_top_k}", ours_with_teacher))
+        runs.append((capture, lambda: ours(args.record_top_k)))
     rates = {name: [] for name, _ in runs}
     for _ in range(args.repeats):  # interleaved, so drift hits all alike
         for name, fn in runs:
@@ -84,7 +82,7 @@ def main() -> int:
               **sampling, "tokens_per_s": medians, "runs": rates,
               "ratio_ours_vs_hf": medians["ours"] / medians["HF generate"]}
     if args.record_top_k:
-        result["ratio_teacher_capture_vs_ours"] = medians[runs[2][0]] / medians["ours"]
+        result["ratio_teacher_capture_vs_ours"] = medians[capture] / medians["ours"]
     print(f"batch {len(prompts)} (prompts ≤ {width} tokens), {new} new tokens, {args.dtype}, "
           f"T={args.temperature} top-p={args.top_p}, median of {args.repeats}:")
     for name, rate in medians.items():

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"to finish within max_total_minutes={cfg.max_total_minutes:g}")
             dcfg.train.max_minutes = minutes
     what = ("CE on target-generated replies" if dcfg.train.objective == "ce"
-            else f"{dcfg.train.loss} distillation ({dcfg.train.data_mode} teacher)")
+            else f"{dcfg.train.loss} distillation (train.data_mode={dcfg.train.data_mode})")
     print(f"== 1/4 train the draft: {what} ({cfg.distill_config})")
     trained = distill_run(dcfg)
     draft_dir = Path(dcfg.output_dir) / "draft"
