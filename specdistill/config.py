@@ -92,9 +92,13 @@ class GenerateConfig:
     # > 0: also keep the target's top-k log-probs behind each reply token, the teacher for
     # train.data_mode=cache at no extra target pass (else the cache costs one forward over the set).
     teacher_top_k: int = 0
+    # > 0: stop starting batches after this many minutes and train on what exists (a random sample of the
+    # prompts); a later run with the same settings fills in the rest. Bounds a demo on a slow machine.
+    max_minutes: float = 0.0
 
     def __post_init__(self):
         _check(self.num_prompts >= 1, "generate.num_prompts", "must be >= 1")
+        _check(self.max_minutes >= 0.0, "generate.max_minutes", "must be >= 0 (0 = no limit)")
         _check(self.teacher_top_k >= 0, "generate.teacher_top_k", "must be >= 0 (0 = do not store the teacher)")
         _check(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
         _check(self.max_prompt_tokens >= 1, "generate.max_prompt_tokens", "must be >= 1")

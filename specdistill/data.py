@@ -7,7 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import random
 import shutil
+import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -335,7 +337,7 @@ GENERATOR_TAG = hashlib.sha256(GENERATOR.encode()).hexdigest()[:6]  # for cache 
 def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], out_dir: str | Path,
                        max_prompt_tokens: int, max_new_tokens: int, batch_size: int, temperature: float = 0.0,
                        top_p: float = 1.0, seed: int = 0, max_batches: int | None = None,
-                       teacher_top_k: int = 0) -> datasets.Dataset:
+                       teacher_top_k: int = 0, max_minutes: float = 0.0) -> datasets.Dataset:
     """Generate the target's own replies to ``prompts`` (``(id, messages)``) into Arrow shards.
 
     ``teacher_top_k`` > 0 also stores, per reply token, the target's top-k log-probs (T=1) from the very
@@ -344,6 +346,11 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
     Each finished batch is one shard, written atomically, so a killed run resumes and redoes at most
     the batch in flight. Prompts are sorted by length (less padding); a shard's seed depends only on its
     index, so a resumed run samples exactly what an uninterrupted one would.
+
+    Batches run in a seeded random order, so the progress bar's ETA is honest and ``max_minutes`` (> 0: stop
+    starting batches once this run has generated that long) leaves a sample of all prompt lengths, not only
+    the shortest. The set is then partial: it is returned as is, and a later call with the same settings
+    generates the missing batches into the same folder.
     """
     import torch
     from tqdm.auto import tqdm
@@ -385,8 +392,17 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
 
     eos_ids = _eos_ids(model, tokenizer)
     todo = [i for i in range(len(batches)) if i not in done]
+    random.Random(seed).shuffle(todo)  # the order only: each shard's content depends on its index alone
     bar = tqdm(todo, desc="target generation", unit="batch", initial=0, total=len(todo))
-    for index in bar:
+    generated_tokens, started = 0, time.perf_counter()  # this run's, so a resumed run shows its own rate
+    for position, index in enumerate(bar):
+        if position and max_minutes and time.perf_counter() - started > max_minutes * 60:
+            bar.close()
+            have = len(done) + position
+            warnings.warn(f"generate.max_minutes={max_minutes:g}: stopped after {have} of {len(batches)} batches; "
+                          f"training uses those, and a later run with the same settings generates the other "
+                          f"{len(batches) - have} into {out_dir}", stacklevel=2)
+            break
         batch = batches[index]
         # A shard's seed depends only on its index, so a resumed run samples what an uninterrupted one would.
         outputs = target_only_generate_batch(model, [ids for _, ids in batch], max_new_tokens, eos_ids,
@@ -405,7 +421,8 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
         from .assets import atomic_write_dir
 
         atomic_write_dir(out_dir / f"shard-{index:05d}", lambda tmp, shard=shard: shard.save_to_disk(str(tmp)))
-        bar.set_postfix(tokens=sum(len(r["response_ids"]) for r in rows))
+        generated_tokens += sum(len(r["response_ids"]) for r in rows)
+        bar.set_postfix(reply_tokens=generated_tokens, tok_s=f"{generated_tokens / (time.perf_counter() - started):.0f}")
     return load_generated(out_dir)
 
 
@@ -458,8 +475,6 @@ def generated_to_training(ds: datasets.Dataset) -> datasets.Dataset:
 
 def sharegpt_prompts(records: list[dict], num_prompts: int, max_chars: int, seed: int = 0) -> list[tuple[str, list]]:
     """First-turn prompts from ShareGPT records, shuffled deterministically, short enough to keep whole."""
-    import random
-
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)
     prompts = []
@@ -496,7 +511,7 @@ def target_generated_dataset(model, tokenizer, target_path: str, data, gen, reco
     return generate_responses(model, tokenizer, prompts, generated_dir(target_path, gen, data, split),
                               max_prompt_tokens=gen.max_prompt_tokens, max_new_tokens=gen.max_new_tokens,
                               batch_size=gen.batch_size, temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed,
-                              teacher_top_k=gen.teacher_top_k)
+                              teacher_top_k=gen.teacher_top_k, max_minutes=gen.max_minutes)
 
 
 def load_conversations(data) -> list[dict]:

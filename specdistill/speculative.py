@@ -38,6 +38,15 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def _cut_to_nucleus(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero all but the smallest prefix of descending ``sorted_probs`` whose mass reaches ``top_p``.
+
+    The token that crosses ``top_p`` stays. The one top-p rule of ``warp`` and ``nucleus``, so the target's
+    and the draft's warped distributions cannot drift apart.
+    """
+    return sorted_probs.masked_fill(sorted_probs.cumsum(-1) - sorted_probs >= top_p, 0.0)
+
+
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities after temperature, top-k and top-p (the same function for target and draft)."""
     logits = logits.float() / max(params.temperature, 1e-8)
@@ -47,10 +56,7 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it stays).
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = torch.zeros_like(probs).scatter(-1, order, _cut_to_nucleus(sorted_probs, params.top_p))
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
@@ -106,8 +112,7 @@ def nucleus(logits: torch.Tensor, params: SamplingParams, candidates: int = 256
         full_values, full_order = logits[short].sort(dim=-1, descending=True)
         probs[short] = (full_values - log_total[short]).exp()
         order[short] = full_order
-    before = probs.cumsum(-1) - probs
-    probs = probs.masked_fill(before >= params.top_p, 0.0)  # the token that crosses top_p stays
+    probs = _cut_to_nucleus(probs, params.top_p)
     return ids.gather(-1, order), probs / probs.sum(-1, keepdim=True)
 
 

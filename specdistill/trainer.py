@@ -306,7 +306,7 @@ def lr_lambda(cfg, elapsed_s=lambda: 0.0):
 
 def run(cfg: DistillConfig, resume: bool = False) -> dict:
     from accelerate import Accelerator
-    from accelerate.utils import broadcast, set_seed
+    from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
     tc = cfg.train
@@ -404,6 +404,8 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
                disable=not accelerator.is_main_process)
     world, rank = accelerator.num_processes, accelerator.process_index
     saved_at = state["step"] if resume else -1
+    interrupted = False
+    first_step, first_elapsed = state["step"], state["elapsed_s"]
     try:
         while state["step"] < tc.max_steps:
             step = state["step"]
@@ -471,29 +473,41 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
             state["tokens"] += int(window_tokens)
             state["step"] = step + 1
             seconds = time.perf_counter() - t0
-            # Rank 0's clock for everyone: the time-based LR and the time limit must agree across ranks, or
-            # their weights drift apart and one rank stops while the others wait in a collective.
-            elapsed = time.perf_counter() - started
+            # Rank 0's clock and any rank's SIGTERM for everyone: the time-based LR, the time limit and the
+            # stop must agree across ranks, or their weights drift apart, or one rank stops (and saves) while
+            # the others wait in a collective. A scheduler usually signals every rank, a user's kill only one.
+            # One snapshot per step: a signal landing after it is acted on at the next step, on all ranks.
+            elapsed, stopping = time.perf_counter() - started, stop["signal"]
             if world > 1:
-                elapsed = float(broadcast(torch.tensor([elapsed], dtype=torch.float64, device=accelerator.device)).item())
+                shared = torch.tensor([elapsed if rank == 0 else 0.0, float(stopping or 0)],
+                                      dtype=torch.float64, device=accelerator.device)
+                torch.distributed.all_reduce(shared, op=torch.distributed.ReduceOp.MAX)
+                elapsed, stopping = float(shared[0].item()), int(shared[1].item()) or None
             state["elapsed_s"] = elapsed
             log({"step": state["step"], "kind": "train", "loss": step_loss if finite else float("nan"),
                  "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "loss_tokens": int(window_tokens),
                  "tokens_per_s": seq_tokens / seconds, "elapsed_s": state["elapsed_s"]})
             if state["step"] % tc.eval_every == 0 or state["step"] == tc.max_steps:
                 last_eval = evaluate(state["step"])
+            clock = {}
+            if tc.max_minutes:
+                # A clock-bound run's max_steps is only a cap (recipes set 1e6): the bar's total is the steps
+                # the clock leaves room for at this run's pace, so its ETA is the real one.
+                left_s = max(0.0, tc.max_minutes * 60 - state["elapsed_s"])
+                pace = (state["step"] - first_step) / max(state["elapsed_s"] - first_elapsed, 1e-9)
+                bar.total = min(tc.max_steps, state["step"] + math.ceil(pace * left_s))
+                clock = {"min_left": f"{left_s / 60:.1f}"}
             bar.update(1)
-            # A clock-bound run's step total is only a cap: show the minutes left, the real ETA.
-            clock = {"min_left": f"{max(0.0, tc.max_minutes - state['elapsed_s'] / 60):.1f}"} if tc.max_minutes else {}
             bar.set_postfix(loss=f"{step_loss:.3f}", tok_s=f"{seq_tokens / seconds:.0f}",
                             alpha=f"{last_eval.get('alpha_greedy', float('nan')):.3f}", **clock)
             out_of_time = bool(tc.max_minutes and state["elapsed_s"] > tc.max_minutes * 60)
             out_of_time = out_of_time or state["step"] == tc.stop_at_step
-            if state["step"] % tc.save_every == 0 or stop["signal"] or out_of_time:
+            if state["step"] % tc.save_every == 0 or stopping or out_of_time:
                 save_checkpoint(accelerator, out, state, tc.keep_last)
                 saved_at = state["step"]
-            if stop["signal"]:
-                accelerator.print(f"stopped by signal {stop['signal']} at step {state['step']}; checkpoint saved, "
+            if stopping:
+                interrupted = True  # on every rank, also those that were not signalled
+                accelerator.print(f"stopped by signal {stopping} at step {state['step']}; checkpoint saved, "
                                   f"continue with --resume")
                 break
             if out_of_time:
@@ -507,10 +521,10 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
 
     result = {"steps": state["step"], "loss_tokens": state["tokens"], "elapsed_s": state["elapsed_s"],
               "nonfinite_total": state["nonfinite_total"], "sizes": sizes, "final_eval": last_eval,
-              "interrupted": bool(stop["signal"])}
-    if not stop["signal"] and saved_at != state["step"]:
+              "interrupted": interrupted}
+    if not interrupted and saved_at != state["step"]:
         save_checkpoint(accelerator, out, state, tc.keep_last)  # the final state, unless just saved
-    if accelerator.is_main_process and not stop["signal"]:
+    if accelerator.is_main_process and not interrupted:
         save_draft(base_draft, tokenizer, out / "draft", {"target": cfg.target.path, "sizes": sizes,
                                                           "final_eval": last_eval, "config": to_dict(cfg)})
         (out / "metrics.json").write_text(json.dumps(result, indent=2))

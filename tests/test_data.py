@@ -1,18 +1,19 @@
 import json
 import warnings
+from contextlib import nullcontext
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdistill import speculative
+from specdistill.config import ConfigError, GenerateConfig
 from specdistill.data import (
     DataError,
     format_chat,
     generate_responses,
     generated_to_teacher_rows,
     is_heldout,
-    load_generated,
     load_sharegpt,
     parse_conversations,
     split_records,
@@ -151,7 +152,7 @@ def test_generation_resumes_without_duplicates_or_gaps(tmp_path, tiny_tokenizer,
     monkeypatch.setattr(speculative, "target_only_generate_batch", dying_generate)
     with pytest.raises(Interrupt):
         generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "run", **kwargs)
-    assert len(load_generated(tmp_path / "run")) == 6  # two complete batches survived
+    assert len(list((tmp_path / "run").glob("shard-*"))) == 2  # two complete batches survived
     monkeypatch.setattr(speculative, "target_only_generate_batch", original)
     resumed = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "run", **kwargs)
     ids = sorted(resumed["prompt_id"])
@@ -160,6 +161,25 @@ def test_generation_resumes_without_duplicates_or_gaps(tmp_path, tiny_tokenizer,
         sorted(zip(reference["prompt_id"], map(tuple, reference["response_ids"])))
     with pytest.raises(DataError, match="other settings"):
         generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "run", **{**kwargs, "seed": 8})
+
+
+def test_generation_time_limit_keeps_a_partial_set_that_a_later_run_completes(tmp_path, tiny_tokenizer, tiny_target):
+    prompts = [(f"p{i}", [{"role": "user", "content": "word " * (i % 5 + 1)}]) for i in range(10)]
+    kwargs = {"max_prompt_tokens": 64, "max_new_tokens": 6, "batch_size": 3, "temperature": 1.0, "seed": 7}
+    reference = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "ref", **kwargs)
+    rows = lambda ds: sorted(zip(ds["prompt_id"], map(tuple, ds["response_ids"])))
+
+    seen = set()
+    for call in range(1, 5):  # a limit that is always exceeded: one batch per call, never zero
+        with pytest.warns(UserWarning, match=f"stopped after {call} of 4 batches") if call < 4 else nullcontext():
+            partial = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "run", max_minutes=1e-9,
+                                         **kwargs)
+        assert len(list((tmp_path / "run").glob("shard-*"))) == call
+        assert set(rows(partial)) <= set(rows(reference)) and set(rows(partial)) > seen  # same samples, growing
+        seen = set(rows(partial))
+    assert rows(partial) == rows(reference)
+    with pytest.raises(ConfigError, match="generate.max_minutes"):
+        GenerateConfig(max_minutes=-1)
 
 
 def test_generation_stores_the_teacher_it_sampled_from(tmp_path, tiny_tokenizer, tiny_target):

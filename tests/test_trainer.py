@@ -174,17 +174,58 @@ def test_sigterm_leaves_loadable_checkpoint(tiny_pair_dir, conversations, tmp_pa
     assert result["steps"] == step + 2
 
 
+def _two_rank_cmd(pair, data, out, *extra):
+    # `--cpu` alone runs one process; torchrun's launcher with ACCELERATE_USE_CPU gives 2 gloo ranks.
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            *_cli(pair, data, out, "train.eval_prompts=0", "train.batch_size=1", *extra)[1:]]
+
+
+TWO_RANK_ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+
+
+def test_sigterm_to_one_rank_stops_all_ranks_with_a_checkpoint(tiny_pair_dir, conversations, tmp_path):
+    """A kill that reaches only one rank (a user's `kill PID`) must stop every rank at the same step."""
+    import psutil
+
+    out = tmp_path / "one-rank-sig"
+    proc = subprocess.Popen(_two_rank_cmd(tiny_pair_dir, conversations, out, "train.max_steps=100000",
+                                          "train.save_every=100000"),
+                            env=TWO_RANK_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 180
+    while time.time() < deadline and not (out / "train_metrics.csv").exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    ranks = {}
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            rank = child.environ().get("RANK")
+        except psutil.Error:
+            continue
+        if rank is not None:
+            ranks[rank] = child
+    assert set(ranks) == {"0", "1"}, ranks
+    ranks["1"].send_signal(signal.SIGTERM)
+    try:
+        output = proc.communicate(timeout=180)[0].decode()
+    except subprocess.TimeoutExpired:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        pytest.fail("the ranks hung after one of them was signalled")
+    assert proc.returncode == 0, output[-3000:]
+    assert "stopped by signal" in output
+    ckpt = latest_checkpoint(out)
+    assert ckpt is not None and json.loads((ckpt / "trainer_state.json").read_text())["step"] >= 1
+    assert not (out / "draft").exists()  # an interrupted run does not pose as finished
+
+
 def test_two_process_gloo_matches_single(tiny_pair_dir, conversations, tmp_path):
     single = tmp_path / "single"
     run(config(tiny_pair_dir, conversations, single, "train.max_steps=2", "train.eval_prompts=0"))
     double = tmp_path / "double"
-    # `--cpu` alone runs one process; torchrun's launcher with ACCELERATE_USE_CPU gives 2 gloo ranks.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           *_cli(tiny_pair_dir, conversations, double, "train.max_steps=2", "train.eval_prompts=0",
-                 "train.batch_size=1")[1:]]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(_two_rank_cmd(tiny_pair_dir, conversations, double, "train.max_steps=2"),
+                          env=TWO_RANK_ENV, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "world_size=2" in proc.stdout + proc.stderr or (double / "run.json").read_text().count('"num_processes": 2')
     assert train_losses(double) == pytest.approx(train_losses(single), rel=1e-4)
