@@ -7,7 +7,8 @@ Reads every folder below the given roots that holds a report: ``eval.py`` report
 ``drafts``), training runs (``metrics.json`` with ``steps``, next to ``config.yaml``), decode benchmarks
 (``bench.json`` from ``scripts/bench_decode.py --out``) and sweeps (``sweep.json``). Each table row names the
 command that produced it. ``--write`` replaces only the text between the two GENERATED markers, so the
-hand-written analysis around it stays.
+hand-written analysis around it stays, and draws ``alpha_vs_minutes.png`` beside it: each evaluated draft's
+greedy α against its training minutes, with the in-training eval curves.
 """
 
 from __future__ import annotations
@@ -116,7 +117,95 @@ def sweep_section(sweeps: list[tuple[Path, dict]]) -> list[str]:
     return lines
 
 
-def collect(roots: list[Path]) -> str:
+def recipe_label(run_folder: Path) -> str:
+    """CE / FKL / ... and the data mode of a training run, from its resolved config."""
+    cfg = yaml.safe_load((run_folder / "config.yaml").read_text()) or {}
+    train = cfg.get("train", {})
+    kind = "ce" if train.get("objective") == "ce" else str(train.get("loss", "?"))
+    if train.get("objective") != "ce" and train.get("ce_weight"):
+        kind += f"+{train['ce_weight']:g}ce"
+    return f"{kind} / {train.get('data_mode', '?')}"
+
+
+def acceptance_points(reports: list[tuple[Path, dict]]) -> list[dict]:
+    """One point per evaluated draft that a training run produced: its training minutes and final α."""
+    points = []
+    for folder, report in reports:
+        args = yaml.safe_load((folder / "config.yaml").read_text()) if (folder / "config.yaml").is_file() else {}
+        paths, names = (args or {}).get("draft") or [], (args or {}).get("name") or []
+        # A report folder renamed after the run (runs/demo -> runs/demo-slowday) names drafts by their old
+        # paths: move those along with it, or every copy would read the same training run.
+        written_parent = Path(args["output_dir"]).parent if (args or {}).get("output_dir") else None
+        for i, path in enumerate(paths):
+            name = names[i] if i < len(names) else Path(path).name
+            run_folder = Path(path).parent
+            if written_parent is not None and written_parent != folder.parent and \
+                    run_folder.is_relative_to(written_parent):
+                run_folder = folder.parent / run_folder.relative_to(written_parent)
+            metrics = _load(run_folder / "metrics.json")
+            if name not in report["drafts"] or not isinstance(metrics, dict) or "elapsed_s" not in metrics \
+                    or not (run_folder / "config.yaml").is_file():
+                continue  # an init draft or a folder from elsewhere: no training time to plot against
+            d = report["drafts"][name]
+            points.append({"minutes": metrics["elapsed_s"] / 60, "alpha": d["alpha"]["0"],
+                           "alpha_t1": d["alpha"].get("1"), "recipe": recipe_label(run_folder),
+                           "run": str(run_folder), "report": str(folder)})
+    return points
+
+
+def training_curves(runs: list[tuple[Path, dict]]) -> list[dict]:
+    """In-training held-out α (eval_metrics.csv) against the run's clock (train_metrics.csv)."""
+    import csv
+
+    curves = []
+    for folder, _ in runs:
+        evals, trains = folder / "eval_metrics.csv", folder / "train_metrics.csv"
+        if not (evals.is_file() and trains.is_file()):
+            continue
+        clock = {int(r["step"]): float(r["elapsed_s"]) for r in csv.DictReader(trains.open())}
+        clock[0] = 0.0
+        xs, ys = [], []
+        for r in csv.DictReader(evals.open()):
+            if int(r["step"]) in clock:
+                xs.append(clock[int(r["step"])] / 60)
+                ys.append(float(r["alpha_greedy"]))
+        if len(xs) > 1:
+            curves.append({"run": str(folder), "recipe": recipe_label(folder), "minutes": xs, "alpha": ys})
+    return curves
+
+
+def plot_acceptance_vs_minutes(points: list[dict], curves: list[dict], path: Path) -> None:
+    """Greedy α against training minutes: the number that decides whether the product pays (one picture)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    recipes = sorted({p["recipe"] for p in points} | {c["recipe"] for c in curves})
+    colors = {r: plt.cm.tab10(i % 10) for i, r in enumerate(recipes)}
+    for curve in curves:
+        ax.plot(curve["minutes"], curve["alpha"], "-", lw=1, alpha=0.6, color=colors[curve["recipe"]])
+    for recipe in recipes:
+        mine = [p for p in points if p["recipe"] == recipe]
+        if mine:
+            ax.scatter([p["minutes"] for p in mine], [p["alpha"] for p in mine], s=36, color=colors[recipe],
+                       label=recipe, zorder=3)
+    for recipe in recipes:
+        if recipe not in {p["recipe"] for p in points}:
+            ax.plot([], [], "-", color=colors[recipe], label=f"{recipe} (in-training curve only)")
+    ax.set_xlabel("training minutes on 2 CPU cores")
+    ax.set_ylabel("greedy α")
+    ax.set_title("Acceptance per CPU-minute (dots: 80 MT-bench prompts, fp32; lines: 40-prompt in-training eval)",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def collect(roots: list[Path], plot_path: Path | None = None) -> str:
     reports, runs, benches, sweeps = [], [], [], []
     for root in roots:
         for path in sorted(root.rglob("*.json")):
@@ -132,6 +221,10 @@ def collect(roots: list[Path]) -> str:
             elif path.name == "sweep.json" and "best" in data:
                 sweeps.append((path.parent, data))
     lines = [BEGIN, "", f"Generated from {', '.join(f'`{r}`' for r in roots)}.", ""]
+    points, curves = acceptance_points(reports), training_curves(runs)
+    if plot_path is not None and (points or curves):
+        plot_acceptance_vs_minutes(points, curves, plot_path)
+        lines += [f"![greedy α against training minutes]({plot_path.name})", ""]
     for found, section in ((runs, training_section), (reports, acceptance_section), (benches, bench_section),
                            (sweeps, sweep_section)):
         if found:
@@ -149,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(r) for r in args.roots if not r.is_dir()]
     if missing:
         parser.error(f"not a folder: {', '.join(missing)}")
-    section = collect(args.roots)
+    section = collect(args.roots, plot_path=None if args.write is None else args.write.parent / "alpha_vs_minutes.png")
     if args.write is None:
         print(section)
         return 0
