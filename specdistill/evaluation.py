@@ -75,24 +75,38 @@ def continuation_set(target, tokenizer, target_name: str, prompts, max_new_token
 
 
 @torch.no_grad()
-def time_step(model, context: int = 128, new: int = 1, repeats: int = 15) -> float:
-    """Median seconds of a ``new``-token forward on top of a ``context``-token KV cache."""
+def _step_seconds(model, prefix: torch.Tensor, new: int) -> float:
+    """Seconds of one ``new``-token forward on top of a fresh KV cache holding ``prefix``."""
     from transformers import DynamicCache
 
     from .speculative import cache_kwarg
 
     kwarg = cache_kwarg(model)
-    vocab = model.config.vocab_size
-    prefix = torch.randint(0, vocab, (1, context))
-    times = []
-    for _ in range(repeats):
-        cache = DynamicCache(config=model.config)
-        model(input_ids=prefix, use_cache=True, **{kwarg: cache})
-        step = torch.randint(0, vocab, (1, new))
-        t0 = time.perf_counter()
-        model(input_ids=step, use_cache=True, **{kwarg: cache})
-        times.append(time.perf_counter() - t0)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prefix, use_cache=True, **{kwarg: cache})
+    step = torch.randint(0, model.config.vocab_size, (1, new))
+    t0 = time.perf_counter()
+    model(input_ids=step, use_cache=True, **{kwarg: cache})
+    return time.perf_counter() - t0
+
+
+def time_step(model, context: int = 128, new: int = 1, repeats: int = 15) -> float:
+    """Median seconds of a ``new``-token forward on top of a ``context``-token KV cache."""
+    prefix = torch.randint(0, model.config.vocab_size, (1, context))
+    times = [_step_seconds(model, prefix, new) for _ in range(repeats)]
     return statistics.median(times[2:])
+
+
+def paired_cost_ratio(draft, target, context: int = 128, repeats: int = 15) -> tuple[float, float]:
+    """(draft step seconds, c = draft step / target step), the two steps timed alternately.
+
+    c is the median of per-pair ratios: this machine's speed drifts by up to 2× within a day and visibly
+    within minutes, and a target timed once before all drafts put that drift into c (0.18–0.29 seen for one
+    architecture). Alternating moves both sides of each ratio together.
+    """
+    prefix = torch.randint(0, target.config.vocab_size, (1, context))
+    pairs = [(_step_seconds(draft, prefix, 1), _step_seconds(target, prefix, 1)) for _ in range(repeats)][2:]
+    return statistics.median(d for d, _ in pairs), statistics.median(d / t for d, t in pairs)
 
 
 def evaluate_draft(target_logits, draft_logits, categories, temperatures, gammas) -> dict:
@@ -237,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         draft_logits = logits_at_targets(draft, rows, tokenizer.pad_token_id)
         result = evaluate_draft(target_logits, draft_logits, categories, temperatures, gammas)
         result["sizes"] = size_report(draft, target)
-        result["draft_step_s"] = time_step(draft)
-        result["cost_ratio"] = c = result["draft_step_s"] / target_step
+        result["draft_step_s"], result["cost_ratio"] = paired_cost_ratio(draft, target)
+        c = result["cost_ratio"]
         result["expected_speedup"] = {f"{t}/{g}": expected_speedup(result["tau"][f"{t}/{g}"], g, c, verify[g])
                                       for t in temperatures for g in gammas}
         result["best_gamma"], result["best_speedup"] = {}, {}

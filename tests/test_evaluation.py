@@ -70,3 +70,18 @@ def test_eval_cli_writes_report(tiny_pair_dir, tmp_path, monkeypatch):
     for name in ("report.md", "acceptance_by_position.png", "tau_speedup_vs_gamma.png", "alpha_by_category.png",
                  "config.yaml", "run.json"):
         assert (out / name).is_file(), name
+
+
+def test_paired_cost_ratio_ranks_a_shallow_draft_below_the_target_itself(tiny_tokenizer):
+    """c from alternating steps: a 1-layer draft costs less than the 8-layer target does against itself."""
+    from conftest import make_llama
+
+    from specdistill.evaluation import paired_cost_ratio
+
+    target = make_llama(len(tiny_tokenizer), layers=8, seed=0)
+    draft = make_llama(len(tiny_tokenizer), layers=1, seed=1)
+    with torch.inference_mode():
+        step, c_draft = paired_cost_ratio(draft, target, context=16, repeats=9)
+        _, c_self = paired_cost_ratio(target, target, context=16, repeats=9)
+    assert step > 0 and 0 < c_draft < c_self
+    assert 0.5 < c_self < 2.0  # the same model on both sides: the ratio is 1 up to timing noise
