@@ -143,6 +143,11 @@ class TrainConfig:
     max_nonfinite: int = 5  # consecutive non-finite losses before aborting
     inject_nan_steps: list[int] = field(default_factory=list)  # test hook: poison the loss at these steps
     chunk_size: int = 1024
+    # > 0: the loss's softmax covers only the head_vocab tokens most frequent in the training replies, the
+    # step's labels and head_negatives random others drawn afresh each step (a sampled softmax: the LM head
+    # is most of a small draft's training FLOPs). The saved draft keeps its full head, so export is unchanged.
+    head_vocab: int = 0
+    head_negatives: int = 1024
     seed: int = 0
 
     def __post_init__(self):
@@ -159,7 +164,8 @@ class TrainConfig:
         for name in ("max_steps", "batch_size", "grad_accum", "seq_len", "eval_every", "save_every", "keep_last",
                      "max_nonfinite", "chunk_size"):
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
-        for name in ("warmup_steps", "stop_at_step", "max_train_rows", "teacher_top_k", "lora_r", "eval_prompts", "max_minutes"):
+        for name in ("warmup_steps", "stop_at_step", "max_train_rows", "teacher_top_k", "lora_r", "eval_prompts", "max_minutes",
+                     "head_vocab", "head_negatives"):
             _check(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
         _check(self.cache_top_k >= 1, "train.cache_top_k", "must be >= 1")
         _check(self.data_mode != "cache" or self.temperature == 1.0, "train.temperature",

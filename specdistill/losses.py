@@ -52,12 +52,22 @@ def token_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
     return divergence_from_logprobs(s, t, kind, beta)
 
 
+# Log-probability of an entry that is not there: exp() is exactly 0 in fp32, yet differences stay finite, so
+# no 0·(−inf) = NaN reaches a gradient (which −inf would, through torch.where's unselected branch).
+ABSENT_LOGP = -1e4
+
+
 def topk_bucket(student_logits: torch.Tensor, teacher_ids: torch.Tensor, teacher_logp: torch.Tensor):
-    """Student and teacher as (k+1)-way distributions: the teacher's top-k tokens plus one tail bucket."""
+    """Student and teacher as (k+1)-way distributions: the teacher's top-k tokens plus one tail bucket.
+
+    A teacher id < 0 is a token outside the student's (reduced) vocabulary: its entry is empty on both
+    sides, and its teacher mass moves into the teacher's tail bucket.
+    """
     s_full = F.log_softmax(student_logits.float(), dim=-1)
-    s_top = s_full.gather(-1, teacher_ids.long())
+    absent = teacher_ids < 0
+    s_top = s_full.gather(-1, teacher_ids.long().clamp(min=0)).masked_fill(absent, ABSENT_LOGP)
     s_tail = torch.log1p(-s_top.exp().sum(-1).clamp(max=1 - 1e-6))
-    t_top = teacher_logp.float()
+    t_top = teacher_logp.float().masked_fill(absent, ABSENT_LOGP)
     t_tail = torch.log1p(-t_top.exp().sum(-1).clamp(max=1 - 1e-6))
     return torch.cat([s_top, s_tail[..., None]], -1), torch.cat([t_top, t_tail[..., None]], -1)
 
@@ -70,7 +80,9 @@ def teacher_topk(teacher_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, to
 
 
 def cross_entropy_sum(student_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(student_logits.float(), labels.long(), reduction="sum")
+    """Summed next-token CE; a label < 0 (outside a reduced vocabulary) adds nothing."""
+    labels = labels.long()
+    return F.cross_entropy(student_logits.float(), labels.masked_fill(labels < 0, -100), reduction="sum")
 
 
 def _chunk_loss(student_hidden, head_weight, teacher, labels, kind, beta, temperature, ce_weight):
@@ -99,14 +111,27 @@ def _chunk_loss(student_hidden, head_weight, teacher, labels, kind, beta, temper
 
 def distill_loss(student_hidden: torch.Tensor, head_weight: torch.Tensor, teacher: tuple, labels: torch.Tensor,
                  kind: str = "fkl", beta: float = 0.5, temperature: float = 1.0, ce_weight: float = 0.0,
-                 chunk_size: int = 1024) -> torch.Tensor:
+                 chunk_size: int = 1024, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Summed loss over N selected tokens (divide by the token count yourself, across steps and ranks).
 
     student_hidden (N, d), head_weight (V, d); teacher = (teacher_hidden (N, d_t), teacher_head (V, d_t))
     or (topk_ids (N, k), topk_logp (N, k)); labels (N,) for the CE term. N = 0 gives 0, never NaN.
+
+    ``vocab_ids`` (sorted unique ids): both softmaxes cover only these tokens (``train.head_vocab``). A logit
+    teacher is renormalised over them; a top-k teacher's other entries join its tail bucket; labels outside
+    them are skipped. With every id it equals the full-vocabulary loss.
     """
     total = student_hidden.new_zeros((), dtype=torch.float32)
     topk = teacher[0].dtype in (torch.int32, torch.int64)
+    if vocab_ids is not None:
+        to_subset = torch.full((head_weight.shape[0],), -1, dtype=torch.long, device=vocab_ids.device)
+        to_subset[vocab_ids] = torch.arange(vocab_ids.numel(), device=vocab_ids.device)
+        head_weight = head_weight.index_select(0, vocab_ids)
+        labels = to_subset[labels.long()]
+        if topk:
+            teacher = (to_subset[teacher[0].long()], teacher[1])
+        elif ce_weight < 1.0:
+            teacher = (teacher[0], teacher[1].index_select(0, vocab_ids))
     for start in range(0, student_hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
         # Top-k teachers are per-token (ids, logp); logit teachers are per-token hidden states and one head,

@@ -62,13 +62,13 @@ class DraftLoss(nn.Module):
         return self.draft.get_base_model() if hasattr(self.draft, "get_base_model") else self.draft
 
     def forward(self, input_ids, attention_mask, select, teacher, labels, kind, beta, temperature, ce_weight,
-                chunk_size):
+                chunk_size, vocab_ids=None):
         base = self.base()
         body = getattr(base, base.base_model_prefix)
         hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         head = base.get_output_embeddings().weight
         return distill_loss(hidden[:, :-1][select], head, teacher, labels, kind, beta, temperature, ce_weight,
-                            chunk_size)
+                            chunk_size, vocab_ids)
 
 
 # ---------------------------------------------------------------- data
@@ -87,6 +87,33 @@ def pad_batch(rows: list[dict], seq_len: int, pad_id: int) -> dict:
         attention[i, :n] = 1
         mask[i, :n] = torch.tensor(r["loss_mask"], dtype=torch.bool)
     return {"input_ids": ids, "attention_mask": attention, "select": mask[:, 1:], "labels": ids[:, 1:][mask[:, 1:]]}
+
+
+def on_device(batch: dict, device) -> dict:
+    """The batch's tensors (and the teacher's tensor pair) on the training device: a no-op on CPU."""
+    return {k: tuple(t.to(device) for t in v) if isinstance(v, tuple) else v.to(device) for k, v in batch.items()}
+
+
+def frequent_tokens(rows, count: int) -> tuple[torch.Tensor, float]:
+    """The ``count`` most frequent loss tokens of ``rows`` (ties by id) and the share of loss tokens they cover."""
+    from collections import Counter
+
+    counts = Counter()
+    for ids, mask in zip(rows["input_ids"], rows["loss_mask"]):
+        counts.update(token for token, m in zip(ids, mask) if m)
+    kept = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:count]
+    total = sum(counts.values())
+    return torch.tensor(sorted(t for t, _ in kept), dtype=torch.long), sum(c for _, c in kept) / max(total, 1)
+
+
+def step_vocab(frequent: torch.Tensor, labels: torch.Tensor, negatives: int, vocab_size: int, seed: int
+               ) -> torch.Tensor:
+    """``train.head_vocab``'s softmax support for one micro-batch: the frequent tokens, the batch's labels (so
+    no CE target and no sampled teacher token is ever outside it) and ``negatives`` uniform draws, which keep
+    the rare tokens' logits trained down, so the full head the draft is saved with stays usable."""
+    generator = torch.Generator().manual_seed(seed)
+    drawn = torch.randint(0, vocab_size, (negatives,), generator=generator)
+    return torch.unique(torch.cat([frequent, labels.long(), drawn]))
 
 
 @functools.lru_cache(maxsize=4)
@@ -350,6 +377,12 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
     num_rows = len(rows)
     if num_rows == 0:
         raise ValueError("the training set is empty")
+    frequent, vocab_size = None, draft.get_output_embeddings().weight.shape[0]
+    if tc.head_vocab:
+        frequent, coverage = frequent_tokens(rows, tc.head_vocab)
+        accelerator.print(f"train.head_vocab={tc.head_vocab}: the {len(frequent):,} most frequent reply tokens cover "
+                          f"{coverage:.1%} of the loss tokens; each step adds its labels and {tc.head_negatives} "
+                          f"random tokens (of {vocab_size:,})")
 
     module = DraftLoss(draft)
     trainable = [p for p in module.parameters() if p.requires_grad]
@@ -416,12 +449,15 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
                 if tc.data_mode == "onpolicy" and random.Random(tc.seed * 7919 + step).random() < tc.onpolicy_fraction:
                     batch_rows = sample_onpolicy(base_draft, batch_rows, tokenizer, tc.onpolicy_new_tokens, tc.seq_len)
                 batch = pad_batch(batch_rows, tc.seq_len, tokenizer.pad_token_id)
+                if frequent is not None:  # seeded by step and rank: a resumed run draws the same negatives
+                    batch["vocab_ids"] = step_vocab(frequent, batch["labels"], tc.head_negatives, vocab_size,
+                                                    ((tc.seed * 1_000_003 + step) * 64 + micro) * world + rank)
                 if tc.data_mode == "cache":
                     batch["teacher"] = (torch.cat([torch.tensor(r["topk_ids"], dtype=torch.long).reshape(-1, tc.cache_top_k)
                                                    for r in batch_rows]),
                                         torch.cat([torch.tensor(r["topk_logp"], dtype=torch.float32).reshape(-1, tc.cache_top_k)
                                                    for r in batch_rows]))
-                micro_batches.append(batch)
+                micro_batches.append(on_device(batch, accelerator.device))
             # Normalise by the loss tokens of the whole window on all processes (not per micro-batch mean).
             local_tokens = torch.tensor(sum(int(b["select"].sum()) for b in micro_batches), dtype=torch.float64)
             window_tokens = accelerator.reduce(local_tokens.to(accelerator.device), reduction="sum").item()
@@ -443,7 +479,8 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
                 sync = accelerator.no_sync(module) if i < len(micro_batches) - 1 else contextlib.nullcontext()
                 with sync:
                     loss_sum = module(batch["input_ids"], batch["attention_mask"], batch["select"], teacher,
-                                      batch["labels"], kind, tc.beta, tc.temperature, ce_weight, tc.chunk_size)
+                                      batch["labels"], kind, tc.beta, tc.temperature, ce_weight, tc.chunk_size,
+                                      batch.get("vocab_ids"))
                     loss = loss_sum * world / max(window_tokens, 1.0)
                     if step in tc.inject_nan_steps:
                         loss = loss * float("nan")

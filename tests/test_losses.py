@@ -80,3 +80,40 @@ def test_ce_mix_and_topk_bucket():
     ids, logp = teacher_topk(t_hidden @ t_head.T, 3)
     small = distill_loss(hidden, head, (ids, logp), labels, "fkl")
     assert torch.isfinite(small) and small.item() > 0
+
+
+@pytest.mark.parametrize("kind", DIVERGENCES)
+def test_reduced_vocab_loss_is_exact_with_every_token_and_matches_a_smaller_head(kind):
+    """train.head_vocab: vocab_ids = all ids is the full loss; a subset equals a head that only has those rows."""
+    torch.manual_seed(2)
+    n, d, v = 12, 6, 40
+    hidden, head = torch.randn(n, d), torch.randn(v, d, requires_grad=True)
+    t_hidden, t_head = torch.randn(n, d), torch.randn(v, d)
+    labels = torch.randint(0, v, (n,))
+    ids, logp = teacher_topk(t_hidden @ t_head.T, 5)
+    every = torch.arange(v)
+    for teacher, ce_weight in (((t_hidden, t_head), 0.0), ((ids, logp), 0.0), ((ids, logp), 0.3), ((t_hidden, t_head), 1.0)):
+        full = distill_loss(hidden, head, teacher, labels, kind, ce_weight=ce_weight)
+        same = distill_loss(hidden, head, teacher, labels, kind, ce_weight=ce_weight, vocab_ids=every)
+        assert same.item() == pytest.approx(full.item(), rel=1e-5, abs=1e-6)
+
+    # A subset holding every label and teacher id: the loss of a head with only those rows, ids renumbered.
+    subset = torch.unique(torch.cat([labels, ids.flatten(), torch.tensor([0, 7, 39])]))
+    renumber = {int(t): i for i, t in enumerate(subset)}
+    small_ids = ids.clone().apply_(lambda t: renumber[t])
+    small_labels = labels.clone().apply_(lambda t: renumber[t])
+    reduced = distill_loss(hidden, head, (ids, logp), labels, kind, ce_weight=0.3, vocab_ids=subset)
+    direct = distill_loss(hidden, head[subset], (small_ids, logp), small_labels, kind, ce_weight=0.3)
+    assert reduced.item() == pytest.approx(direct.item(), rel=1e-5)
+    logit_reduced = distill_loss(hidden, head, (t_hidden, t_head), labels, kind, vocab_ids=subset)
+    logit_direct = distill_loss(hidden, head[subset], (t_hidden, t_head[subset]), small_labels, kind)
+    assert logit_reduced.item() == pytest.approx(logit_direct.item(), rel=1e-5)
+
+    # Teacher ids and labels outside the subset: finite, and no gradient reaches the rows left out.
+    narrow = torch.tensor([1, 2, 3, 5, 8, 13, 21, 34])
+    loss = distill_loss(hidden, head, (ids, logp), labels, kind, ce_weight=0.5, vocab_ids=narrow)
+    loss.backward()
+    outside = torch.ones(v, dtype=torch.bool)
+    outside[narrow] = False
+    assert torch.isfinite(loss) and torch.isfinite(head.grad).all()
+    assert head.grad[outside].abs().sum() == 0 and head.grad[narrow].abs().sum() > 0

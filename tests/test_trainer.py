@@ -100,6 +100,31 @@ def test_resume_is_bit_exact(tiny_pair_dir, conversations, tmp_path):
     assert train_losses(tmp_path / "full") == train_losses(tmp_path / "staged")
 
 
+def test_reduced_head_vocab_trains_resumes_bit_exact_and_keeps_the_full_head(tiny_pair_dir, conversations, tmp_path):
+    """train.head_vocab: the seeded negatives make a resumed run match; the saved draft has every head row."""
+    from specdistill.trainer import frequent_tokens, step_vocab
+
+    extra = ("train.head_vocab=40", "train.head_negatives=16", "train.eval_prompts=0", "train.max_steps=6")
+    full = run(config(tiny_pair_dir, conversations, tmp_path / "full", *extra, "train.save_every=100"))
+    run(config(tiny_pair_dir, conversations, tmp_path / "staged", *extra, "train.stop_at_step=3"))
+    run(config(tiny_pair_dir, conversations, tmp_path / "staged", *extra), resume=True)
+    losses = train_losses(tmp_path / "full")
+    assert losses == train_losses(tmp_path / "staged") and all(math.isfinite(x) for x in losses)
+    assert full["steps"] == 6 and losses[-1] < losses[0]
+    run(config(tiny_pair_dir, conversations, tmp_path / "plain", "train.eval_prompts=0", "train.max_steps=6"))
+    assert train_losses(tmp_path / "plain") != losses  # the reduced softmax is really in use
+    head = load_file(tmp_path / "full" / "draft" / "model.safetensors")["model.embed_tokens.weight"]
+    vocab_size = json.loads((tiny_pair_dir / "target" / "config.json").read_text())["vocab_size"]
+    assert head.shape[0] == vocab_size > 40 + 16  # saved with its full (tied) head, wider than any step's support
+
+    rows = {"input_ids": [[5, 6, 7, 7], [7, 8, 9, 9]], "loss_mask": [[0, 1, 1, 1], [0, 0, 1, 1]]}
+    ids, coverage = frequent_tokens(rows, 2)
+    assert ids.tolist() == [7, 9] and coverage == pytest.approx(4 / 5)
+    vocab = step_vocab(ids, torch.tensor([3, 7]), 4, 50, seed=1)
+    assert {3, 7, 9} <= set(vocab.tolist()) and vocab.tolist() == sorted(set(vocab.tolist()))
+    assert torch.equal(vocab, step_vocab(ids, torch.tensor([3, 7]), 4, 50, seed=1))
+
+
 def test_nan_is_skipped_counted_then_aborts(tiny_pair_dir, conversations, tmp_path):
     result = run(config(tiny_pair_dir, conversations, tmp_path / "nan", "train.inject_nan_steps=[1,2]",
                         "train.max_steps=4", "train.eval_prompts=0"))
