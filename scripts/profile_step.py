@@ -3,10 +3,10 @@
     python scripts/profile_step.py --config configs/smollm2-135m-quick.yaml --steps 12 --vocab 16384,8192
 
 Per step, medians after 2 warm-up steps: collation (Arrow rows -> tensors), the draft body's forward, the
-LM head + loss forward, the backward, the optimiser step (AdamW, as in training) — with the head over the
-full vocabulary, then over the first N rows of it for each ``--vocab N``. The reduced rows are the cost a
-reduced draft vocabulary (EAGLE-3's d2t) would have: same shapes and ops, teacher ids and labels folded into
-range (so its loss means nothing; only its time does). Needs the generated set the preset trains on
+LM head + loss forward, the backward, the optimiser step (AdamW, as in training) — with the softmax over the
+full vocabulary, then for each ``--vocab N`` over ``train.head_vocab=N``'s support (the N most frequent reply
+tokens, the step's labels and ``train.head_negatives`` random ones), exactly as the trainer builds it.
+Needs the generated set the preset trains on
 (``train.data_mode=cache``): run the preset or ``make demo`` once first. Writes ``profile.json`` to --out.
 """
 
@@ -27,7 +27,7 @@ from specdistill.config import DistillConfig, load_config, record_run
 from specdistill.data import generated_dir, generated_to_teacher_rows, load_generated
 from specdistill.losses import distill_loss
 from specdistill.models import build_draft, load_model, load_tokenizer
-from specdistill.trainer import DraftLoss, micro_batch_rows, pad_batch
+from specdistill.trainer import DraftLoss, frequent_tokens, micro_batch_rows, pad_batch, step_vocab
 
 PHASES = ("collate", "body_forward", "head_loss_forward", "backward", "optimizer")
 
@@ -36,7 +36,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/smollm2-135m-quick.yaml")
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--vocab", default="16384,8192", help="reduced head sizes to time after the full one")
+    parser.add_argument("--vocab", default="16384,8192", help="train.head_vocab values to time after the full softmax")
     parser.add_argument("--out", type=Path, default=Path("runs/profile-step"))
     parser.add_argument("overrides", nargs="*", help="key=value config overrides, as for distill.py")
     args = parser.parse_args()
@@ -61,14 +61,15 @@ def main() -> int:
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=tc.lr,
                                   weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     full_vocab = head.shape[0]
-    vocabs = [full_vocab] + [int(v) for v in args.vocab.split(",") if v and int(v) < full_vocab]
+    vocabs = [0] + [int(v) for v in args.vocab.split(",") if v and int(v) < full_vocab]  # 0: the full softmax
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.bf16)
     report = {"config": args.config, "overrides": args.overrides, "steps": args.steps, "rows": len(rows),
               "batch_size": tc.batch_size, "bf16": tc.bf16, "results": []}
     pad_id = load_tokenizer(cfg.target.path).pad_token_id
     for vocab in vocabs:
+        frequent = frequent_tokens(rows, vocab)[0] if vocab else None
         times = {phase: [] for phase in PHASES}
-        loss_tokens = []
+        loss_tokens, support = [], []
         for step in range(args.steps):  # the same batches for every head size
             t0 = time.perf_counter()
             batch_rows = [rows[i] for i in micro_batch_rows(step, 0, tc, 1, 0, len(rows))]
@@ -77,13 +78,15 @@ def main() -> int:
                              for r in batch_rows])
             logp = torch.cat([torch.tensor(r["topk_logp"], dtype=torch.float32).reshape(-1, tc.cache_top_k)
                               for r in batch_rows])
+            vocab_ids = None if frequent is None else step_vocab(frequent, batch["labels"], tc.head_negatives,
+                                                                 full_vocab, step)
             t1 = time.perf_counter()
             with autocast:
                 hidden = body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
                 t2 = time.perf_counter()
                 selected = hidden[:, :-1][batch["select"]]
-                loss = distill_loss(selected, head[:vocab], (ids % vocab, logp), batch["labels"] % vocab,
-                                    tc.loss, tc.beta, tc.temperature, tc.ce_weight, tc.chunk_size)
+                loss = distill_loss(selected, head, (ids, logp), batch["labels"], tc.loss, tc.beta,
+                                    tc.temperature, tc.ce_weight, tc.chunk_size, vocab_ids)
                 loss = loss / max(int(batch["select"].sum()), 1)
             t3 = time.perf_counter()
             loss.backward()
@@ -95,15 +98,18 @@ def main() -> int:
             for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
                 times[phase].append(seconds)
             loss_tokens.append(int(batch["select"].sum()))
+            support.append(full_vocab if vocab_ids is None else vocab_ids.numel())
         medians = {phase: statistics.median(values[2:]) for phase, values in times.items()}
         total = sum(medians.values())
-        report["results"].append({"head_vocab": vocab, "median_s": medians, "step_s": total,
+        report["results"].append({"head_vocab": vocab, "median_softmax_size": statistics.median(support),
+                                  "median_s": medians, "step_s": total,
                                   "median_loss_tokens": statistics.median(loss_tokens)})
-        print(f"head over {vocab:>6} tokens: step {total:.3f} s = " +
+        print(f"train.head_vocab={vocab:>5} (softmax over {statistics.median(support):>6.0f} tokens): "
+              f"step {total:.3f} s = " +
               ", ".join(f"{phase} {medians[phase]:.3f}" for phase in PHASES))
     base = report["results"][0]["step_s"]
     for row in report["results"][1:]:
-        print(f"head over {row['head_vocab']} tokens: {base / row['step_s']:.2f}× the full head's steps per second")
+        print(f"train.head_vocab={row['head_vocab']}: {base / row['step_s']:.2f}× the full softmax's steps per second")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile.json").write_text(json.dumps(report, indent=2))
     return 0
