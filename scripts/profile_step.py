@@ -49,7 +49,7 @@ def main() -> int:
     folder = generated_dir(cfg.target.path, cfg.generate, cfg.data)
     if not list(folder.glob("shard-*")):
         parser.error(f"no generated set at {folder}: run `python distill.py --config {args.config}` once first")
-    record_run(args.out, vars(args))
+    record_run(args.out, {**vars(args), "out": str(args.out)})
 
     target = load_model(cfg.target.path, cfg.target.dtype)
     draft = build_draft(target, cfg.draft)
