@@ -124,6 +124,8 @@ def recipe_label(run_folder: Path) -> str:
     kind = "ce" if train.get("objective") == "ce" else str(train.get("loss", "?"))
     if train.get("objective") != "ce" and train.get("ce_weight"):
         kind += f"+{train['ce_weight']:g}ce"
+    if train.get("head_vocab"):
+        kind += f" (head_vocab {train['head_vocab']})"
     return f"{kind} / {train.get('data_mode', '?')}"
 
 
