@@ -27,7 +27,7 @@ from specdistill.config import DistillConfig, load_config, record_run
 from specdistill.data import generated_dir, generated_to_teacher_rows, load_generated
 from specdistill.losses import distill_loss
 from specdistill.models import build_draft, load_model, load_tokenizer
-from specdistill.trainer import DraftLoss, frequent_tokens, micro_batch_rows, pad_batch, step_vocab
+from specdistill.trainer import DraftLoss, frequent_tokens, micro_batch_rows, pad_batch, step_vocab, stored_teacher
 
 PHASES = ("collate", "body_forward", "head_loss_forward", "backward", "optimizer")
 
@@ -74,10 +74,7 @@ def main() -> int:
             t0 = time.perf_counter()
             batch_rows = [rows[i] for i in micro_batch_rows(step, 0, tc, 1, 0, len(rows))]
             batch = pad_batch(batch_rows, tc.seq_len, pad_id)
-            ids = torch.cat([torch.tensor(r["topk_ids"], dtype=torch.long).reshape(-1, tc.cache_top_k)
-                             for r in batch_rows])
-            logp = torch.cat([torch.tensor(r["topk_logp"], dtype=torch.float32).reshape(-1, tc.cache_top_k)
-                              for r in batch_rows])
+            ids, logp = stored_teacher(batch_rows, tc.cache_top_k)
             vocab_ids = None if frequent is None else step_vocab(frequent, batch["labels"], tc.head_negatives,
                                                                  full_vocab, step)
             t1 = time.perf_counter()

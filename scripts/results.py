@@ -133,11 +133,11 @@ def acceptance_points(reports: list[tuple[Path, dict]]) -> list[dict]:
     """One point per evaluated draft that a training run produced: its training minutes and final α."""
     points = []
     for folder, report in reports:
-        args = yaml.safe_load((folder / "config.yaml").read_text()) if (folder / "config.yaml").is_file() else {}
-        paths, names = (args or {}).get("draft") or [], (args or {}).get("name") or []
+        args = (yaml.safe_load((folder / "config.yaml").read_text()) if (folder / "config.yaml").is_file() else None) or {}
+        paths, names = args.get("draft") or [], args.get("name") or []
         # A report folder renamed after the run (runs/demo -> runs/demo-slowday) names drafts by their old
         # paths: move those along with it, or every copy would read the same training run.
-        written_parent = Path(args["output_dir"]).parent if (args or {}).get("output_dir") else None
+        written_parent = Path(args["output_dir"]).parent if args.get("output_dir") else None
         for i, path in enumerate(paths):
             name = names[i] if i < len(names) else Path(path).name
             run_folder = Path(path).parent
@@ -193,8 +193,7 @@ def plot_acceptance_vs_minutes(points: list[dict], curves: list[dict], path: Pat
         if mine:
             ax.scatter([p["minutes"] for p in mine], [p["alpha"] for p in mine], s=36, color=colors[recipe],
                        label=recipe, zorder=3)
-    for recipe in recipes:
-        if recipe not in {p["recipe"] for p in points}:
+        else:
             ax.plot([], [], "-", color=colors[recipe], label=f"{recipe} (in-training curve only)")
     ax.set_xlabel("training minutes on 2 CPU cores")
     ax.set_ylabel("greedy α")

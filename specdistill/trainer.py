@@ -89,6 +89,12 @@ def pad_batch(rows: list[dict], seq_len: int, pad_id: int) -> dict:
     return {"input_ids": ids, "attention_mask": attention, "select": mask[:, 1:], "labels": ids[:, 1:][mask[:, 1:]]}
 
 
+def stored_teacher(rows: list[dict], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' stored top-k teacher as (ids (N, k), log-probs (N, k)), N = their loss positions in order."""
+    return (torch.cat([torch.tensor(r["topk_ids"], dtype=torch.long).reshape(-1, top_k) for r in rows]),
+            torch.cat([torch.tensor(r["topk_logp"], dtype=torch.float32).reshape(-1, top_k) for r in rows]))
+
+
 def on_device(batch: dict, device) -> dict:
     """The batch's tensors (and the teacher's tensor pair) on the training device: a no-op on CPU."""
     return {k: tuple(t.to(device) for t in v) if isinstance(v, tuple) else v.to(device) for k, v in batch.items()}
@@ -453,10 +459,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
                     batch["vocab_ids"] = step_vocab(frequent, batch["labels"], tc.head_negatives, vocab_size,
                                                     ((tc.seed * 1_000_003 + step) * 64 + micro) * world + rank)
                 if tc.data_mode == "cache":
-                    batch["teacher"] = (torch.cat([torch.tensor(r["topk_ids"], dtype=torch.long).reshape(-1, tc.cache_top_k)
-                                                   for r in batch_rows]),
-                                        torch.cat([torch.tensor(r["topk_logp"], dtype=torch.float32).reshape(-1, tc.cache_top_k)
-                                                   for r in batch_rows]))
+                    batch["teacher"] = stored_teacher(batch_rows, tc.cache_top_k)
                 micro_batches.append(on_device(batch, accelerator.device))
             # Normalise by the loss tokens of the whole window on all processes (not per micro-batch mean).
             local_tokens = torch.tensor(sum(int(b["select"].sum()) for b in micro_batches), dtype=torch.float64)
