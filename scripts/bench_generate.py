@@ -6,6 +6,12 @@ Both sample the target's warped distribution (temperature, top-p) from the same 
 ShareGPT first-turn prompts; every row generates exactly ``--max-new-tokens`` tokens (EOS ignored) so both
 do the same work. Reports median tokens/s over ``--repeats`` and the ratio; ``--record-top-k`` (default 64)
 adds our loop keeping the target's top-k log-probs per token, the cost of ``generate.teacher_top_k``.
+
+    python scripts/bench_generate.py --compare-batches 64,128,256 --max-new-tokens 64 --repeats 2
+
+instead times our loop alone (with the top-k capture) over one set of as many prompts as the largest batch,
+sorted by length and cut into batches of each size as ``data.generate_responses`` does: which
+``generate.batch_size`` makes data fastest on this machine.
 """
 
 from __future__ import annotations
@@ -40,17 +46,16 @@ def main() -> int:
     parser.add_argument("--record-top-k", type=int, default=64,
                         help="also time our loop while it keeps the target's top-k log-probs "
                              "(generate.teacher_top_k); 0 skips it")
+    parser.add_argument("--compare-batches", default="",
+                        help="comma-separated batch sizes: time our loop at each on the same prompts instead")
     parser.add_argument("--out", default=None, help="folder for bench_generate.json")
     args = parser.parse_args()
+    if args.compare_batches:
+        return compare_batches(args)
 
     tokenizer = load_tokenizer(args.target)
     model = load_model(args.target, args.dtype)
-    prompts = []
-    for _, messages in sharegpt_prompts(load_sharegpt().records, 4 * args.batch, args.max_prompt_tokens * 3):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        if len(ids) <= args.max_prompt_tokens:
-            prompts.append(list(ids))
-    prompts = sorted(prompts[: args.batch], key=len)  # as data.generate_responses batches them
+    prompts = load_prompts(tokenizer, args.batch, args.max_prompt_tokens)
     width = max(map(len, prompts))
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -90,6 +95,44 @@ def main() -> int:
     print(f"  ours / HF generate: {result['ratio_ours_vs_hf']:.2f}×")
     if args.record_top_k:
         print(f"  with top-{args.record_top_k} capture / without: {result['ratio_teacher_capture_vs_ours']:.2f}×")
+    if args.out:
+        out = record_run(Path(args.out), vars(args))
+        (out / "bench_generate.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def load_prompts(tokenizer, n: int, max_prompt_tokens: int) -> list[list[int]]:
+    prompts = []
+    for _, messages in sharegpt_prompts(load_sharegpt().records, 4 * n, max_prompt_tokens * 3):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if len(ids) <= max_prompt_tokens:
+            prompts.append(list(ids))
+    return sorted(prompts[:n], key=len)  # as data.generate_responses batches them
+
+
+def compare_batches(args) -> int:
+    sizes = [int(b) for b in args.compare_batches.split(",")]
+    tokenizer = load_tokenizer(args.target)
+    model = load_model(args.target, args.dtype)
+    prompts = load_prompts(tokenizer, max(sizes), args.max_prompt_tokens)
+    new = args.max_new_tokens
+    rates = {size: [] for size in sizes}
+    for _ in range(args.repeats):  # interleaved, so drift hits all sizes alike
+        for size in sizes:
+            start = time.perf_counter()
+            for i in range(0, len(prompts), size):
+                target_only_generate_batch(model, prompts[i: i + size], new, eos_token_id=None, seed=i,
+                                           temperature=args.temperature, top_p=args.top_p,
+                                           record_top_k=args.record_top_k)
+            rates[size].append(len(prompts) * new / (time.perf_counter() - start))
+    medians = {size: statistics.median(r) for size, r in rates.items()}
+    result = {"prompts": len(prompts), "max_new_tokens": new, "dtype": args.dtype, "record_top_k": args.record_top_k,
+              "tokens_per_s": medians, "runs": rates,
+              "ratio_vs_first": {size: medians[size] / medians[sizes[0]] for size in sizes}}
+    print(f"{len(prompts)} prompts, {new} new tokens, {args.dtype}, top-{args.record_top_k} capture, "
+          f"median of {args.repeats}:")
+    for size in sizes:
+        print(f"  batch {size:4d}: {medians[size]:7.1f} tok/s ({result['ratio_vs_first'][size]:.2f}× batch {sizes[0]})")
     if args.out:
         out = record_run(Path(args.out), vars(args))
         (out / "bench_generate.json").write_text(json.dumps(result, indent=2))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import kernels
 from .losses import teacher_topk
 
 
@@ -158,7 +159,7 @@ class _CachedModel:
     def __init__(self, model, batch: int = 1):
         from transformers import DynamicCache
 
-        self.model = model
+        self.model = kernels.prepare(model)
         self.cache = DynamicCache(config=model.config)
         self.cache_kwarg = cache_kwarg(model)
         forward = getattr(model, "inner", model).forward
@@ -194,9 +195,10 @@ class _CachedModel:
             if self.keeps_logits:
                 # Per-row positions (B, 1): a contiguous gather, so the head is one plain matmul.
                 extra["logits_to_keep"] = torch.tensor([[len(r) - 1] for r in rows], device=self.model.device)
-        out = self.model(input_ids=ids.to(self.model.device), attention_mask=mask,
-                         position_ids=positions.to(self.model.device), use_cache=True,
-                         **{self.cache_kwarg: self.cache}, **extra)
+        with kernels.small_batch_kernels():
+            out = self.model(input_ids=ids.to(self.model.device), attention_mask=mask,
+                             position_ids=positions.to(self.model.device), use_cache=True,
+                             **{self.cache_kwarg: self.cache}, **extra)
         self.valid = torch.cat([self.valid, fed], dim=1)
         self.lengths = [n + len(r) for n, r in zip(self.lengths, rows)]
         if last_only:

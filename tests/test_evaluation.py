@@ -85,3 +85,17 @@ def test_paired_cost_ratio_ranks_a_shallow_draft_below_the_target_itself(tiny_to
         _, c_self = paired_cost_ratio(target, target, context=16, repeats=9)
     assert step > 0 and 0 < c_draft < c_self
     assert 0.5 < c_self < 2.0  # the same model on both sides: the ratio is 1 up to timing noise
+
+
+def test_paired_verify_cost_grows_with_the_block_and_is_near_one_for_a_single_extra_token(tiny_tokenizer):
+    """v(γ) from alternating steps: a 300-token verify costs clearly more than one token; v(1) is ≈ 1."""
+    from conftest import make_llama
+
+    from specdistill.evaluation import paired_verify_cost
+
+    target = make_llama(len(tiny_tokenizer), hidden=256, layers=4, seed=0)
+    with torch.inference_mode():
+        verify = paired_verify_cost(target, [1, 300], context=16, repeats=9)
+    assert set(verify) == {1, 300}
+    assert 0.5 < verify[1] < 2.5
+    assert verify[300] > 2 * verify[1]

@@ -1,0 +1,59 @@
+"""The small-batch linear path: same numbers as F.linear up to fp32 rounding, and only where it is asked for."""
+
+import torch
+import torch.nn.functional as F
+
+from specdistill import kernels
+
+
+def test_small_batch_linear_matches_f_linear_for_each_row_count_and_shape():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(300, 48), torch.randn(300)
+    for shape in [(1, 48), (2, 48), (3, 48), (5, 48), (2, 3, 48), (1, 1, 48)]:
+        x = torch.randn(*shape)
+        for b in (None, bias):
+            got = kernels.small_batch_linear(x, weight, b)
+            assert got.shape == F.linear(x, weight, b).shape
+            torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_prepared_linear_changes_kernels_only_inside_the_context_without_grad():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, kernels.HEAD_WEIGHT // 64 + 1, bias=False)  # head-sized: the fast path applies
+    x = torch.randn(1, 2, 64)
+    reference = F.linear(x, head.weight)
+    kernels.prepare(kernels.prepare(head))  # idempotent
+    with torch.no_grad():
+        assert torch.equal(head(x), reference)  # outside the context: F.linear, bit for bit
+        with kernels.small_batch_kernels():
+            inside = head(x)
+        assert torch.equal(inside, kernels.small_batch_linear(x, head.weight))
+        torch.testing.assert_close(inside, reference, rtol=1e-5, atol=1e-5)
+    with kernels.small_batch_kernels():  # grad enabled (training): F.linear, so autograd is untouched
+        out = head(x)
+        assert torch.equal(out.detach(), reference) and out.requires_grad
+
+
+def test_rule_keeps_f_linear_where_it_was_as_fast():
+    assert kernels.faster_than_linear(49152 * 576, 1) and kernels.faster_than_linear(49152 * 576, 48)
+    assert not kernels.faster_than_linear(49152 * 576, 512)  # a prefill
+    assert kernels.faster_than_linear(1536 * 576, 3) and not kernels.faster_than_linear(1536 * 576, 1)
+    assert not kernels.faster_than_linear(192 * 576, 3)  # k/v projections
+
+
+def test_greedy_decoding_on_the_fast_path_matches_hf_generate(monkeypatch):
+    """Every linear of a tiny pair forced onto the fast path: speculative greedy still equals target-only
+    greedy and HF ``generate`` (which runs outside the context, on F.linear)."""
+    from conftest import make_llama
+
+    from specdistill.speculative import SpeculativeGenerator, target_only_generate
+
+    monkeypatch.setattr(kernels, "HEAD_WEIGHT", 0)
+    target, draft = make_llama(64, hidden=32, layers=2, seed=0), make_llama(64, hidden=32, layers=1, seed=1)
+    for seed in range(3):
+        prompt = torch.randint(0, 64, (4 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        hf = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, min_new_tokens=20,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert target_only_generate(target, prompt, max_new_tokens=20).tokens == hf
+        for gamma in (1, 3, 5):
+            assert SpeculativeGenerator(target, draft, gamma=gamma).generate(prompt, 20).tokens == hf
