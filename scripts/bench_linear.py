@@ -59,7 +59,7 @@ def main() -> int:
                 results.append({"shape": list(shape), "rows": rows, "linear_us": lin, "ours_us": ours,
                                 "speedup": lin / ours})
                 cells.append(f"{lin / ours:6.2f}×")
-            print(f"{str(shape):>14s} {example:28s} " + " ".join(cells))
+            print(f"{shape!s:>14s} {example:28s} " + " ".join(cells))
     if args.out:
         out = record_run(Path(args.out), vars(args))
         (out / "bench_linear.json").write_text(json.dumps(results, indent=2))

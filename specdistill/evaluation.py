@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from . import kernels
 from .acceptance import (
     expected_speedup,
     expected_tau,
@@ -28,7 +29,6 @@ from .acceptance import (
     per_position_acceptance,
     token_acceptance,
 )
-from . import kernels
 from .assets import cache_dir
 from .config import DraftConfig, record_run
 from .data import GENERATOR_TAG, generate_responses, load_mtbench, load_sharegpt, sharegpt_prompts, split_records
@@ -103,8 +103,8 @@ def time_step(model, context: int = 128, new: int = 1, repeats: int = 15) -> flo
 def paired_verify_cost(target, gammas: list[int], context: int = 128, repeats: int = 15) -> dict[int, float]:
     """v(γ): a (γ+1)-token verify forward over a one-token step, the two timed alternately (median of ratios).
 
-    Timed one after the other, v(1) read 1.14 on one day and 1.64 on another for the same model: the
-    machine's drift went into the ratio, as it did into c before ``paired_cost_ratio``.
+    Alternating keeps this machine's drift out of the ratio, as ``paired_cost_ratio`` does for c. (The v(1) of
+    1.6 seen before the small-batch kernels was real, not drift: MKL's kernel for 2 rows; see ``kernels``.)
     """
     prefix = torch.randint(0, target.config.vocab_size, (1, context))
     verify = {}
