@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specdistill.config import record_run
 from specdistill.data import load_sharegpt, sharegpt_prompts
 from specdistill.models import load_model, load_tokenizer
+from specdistill.precision import resolve_dtype
 from specdistill.speculative import target_only_generate_batch
 
 
@@ -41,7 +42,8 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto: bfloat16 where the hardware has native bf16 matmuls, else float32")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--record-top-k", type=int, default=64,
                         help="also time our loop while it keeps the target's top-k log-probs "
@@ -50,6 +52,7 @@ def main() -> int:
                         help="comma-separated batch sizes: time our loop at each on the same prompts instead")
     parser.add_argument("--out", default=None, help="folder for bench_generate.json")
     args = parser.parse_args()
+    args.dtype = resolve_dtype(args.dtype)  # the report names the dtype that ran
     if args.compare_batches:
         return compare_batches(args)
 

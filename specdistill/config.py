@@ -21,6 +21,9 @@ from pathlib import Path
 
 import yaml
 
+from . import precision
+from .precision import resolve_bf16, resolve_dtype
+
 
 class ConfigError(ValueError):
     """A config key is unknown, mistyped or out of range."""
@@ -34,10 +37,13 @@ def _check(condition: bool, key: str, message: str) -> None:
 @dataclass
 class TargetConfig:
     path: str = "smollm2-135m"  # embedded alias, a local HF folder, or a hub id already cached
-    dtype: str = "bfloat16"
+    # "auto": bfloat16 where the hardware multiplies it natively, else float32 (specdistill/precision.py).
+    # Resolved here, so config.yaml, cache keys and every stage see the dtype that actually ran.
+    dtype: str = "auto"
 
     def __post_init__(self):
-        _check(self.dtype in ("float32", "bfloat16"), "target.dtype", "must be float32 or bfloat16")
+        _check(self.dtype in ("auto", "float32", "bfloat16"), "target.dtype", "must be auto, float32 or bfloat16")
+        self.dtype = resolve_dtype(self.dtype)
 
 
 @dataclass
@@ -131,7 +137,9 @@ class TrainConfig:
     grad_accum: int = 1
     seq_len: int = 256
     grad_clip: float = 1.0
-    bf16: bool = True  # autocast the draft's forward in bf16 where the device supports it
+    # Autocast the draft's forward in bf16. "auto" (resolved to true/false here): only where bf16 matmuls are
+    # native (AMX, AVX512-BF16, a bf16 GPU); on an AVX2-only CPU bf16 is emulated and ≈ 6× slower than fp32.
+    bf16: bool | str = "auto"
     freeze_embedding: bool = False
     lora_r: int = 0  # >0 trains LoRA adapters (peft) instead of all weights, merged on save
     lora_alpha: int = 16
@@ -168,6 +176,8 @@ class TrainConfig:
                      "head_vocab", "head_negatives"):
             _check(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
         _check(self.cache_top_k >= 1, "train.cache_top_k", "must be >= 1")
+        _check(self.bf16 in (True, False, "auto"), "train.bf16", "must be true, false or auto")
+        self.bf16 = resolve_bf16(self.bf16)
         _check(self.data_mode != "cache" or self.temperature == 1.0, "train.temperature",
                "the offline cache stores T=1 log-probabilities: use temperature 1")
 
@@ -381,7 +391,8 @@ def record_run(output_dir: str | Path, config, seed: int | None = None, extra: d
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-    run = {"argv": sys.argv, "git_sha": git_sha(), "versions": package_versions(), "seed": seed}
+    run = {"argv": sys.argv, "git_sha": git_sha(), "versions": package_versions(), "seed": seed,
+           "hardware": precision.hardware()}
     run.update(extra or {})
     (out / "run.json").write_text(json.dumps(run, indent=2))
     return out

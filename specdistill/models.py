@@ -10,6 +10,7 @@ from torch import nn
 
 from .assets import resolve_model_path
 from .config import DraftConfig
+from .precision import resolve_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -28,9 +29,10 @@ def load_tokenizer(path: str):
 
 
 def load_model(path: str, dtype: str = "float32", trainable: bool = False):
+    """``dtype``: float32, bfloat16, or auto (bfloat16 only where the hardware has native bf16 matmuls)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=DTYPES[dtype])
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=DTYPES[resolve_dtype(dtype)])
     if not trainable:
         model.eval()
         model.requires_grad_(False)

@@ -68,3 +68,37 @@ def test_every_config_file_loads():
         scripts = [name for name in config_module.STAGES if name in header]
         assert scripts, f"{preset}: header names no entry script ({', '.join(config_module.STAGES)})"
         load_config(config_module.STAGES[scripts[0]], preset)
+
+
+AMX_CPU = {"cpu_capability": "AVX512", "cuda": False, "amx_tile": True, "avx512_bf16": True}
+AVX2_CPU = {"cpu_capability": "AVX2", "cuda": False, "amx_tile": False, "avx512_bf16": False}
+
+
+@pytest.mark.parametrize("machine, dtype, autocast", [(AMX_CPU, "bfloat16", True), (AVX2_CPU, "float32", False)])
+def test_auto_precision_follows_the_hardware(monkeypatch, tmp_path, machine, dtype, autocast):
+    # An AVX2-only CPU emulates bf16 (≈ 6× slower than fp32): "auto" must pick fp32 there, bf16 with AMX.
+    from specdistill import precision
+
+    monkeypatch.setattr(precision, "hardware", lambda: machine)
+    cfg = load_config(DistillConfig, None, ["target.dtype=auto", "train.bf16=auto"])
+    assert (cfg.target.dtype, cfg.train.bf16) == (dtype, autocast)
+    explicit = load_config(DistillConfig, None, ["target.dtype=bfloat16", "train.bf16=false"])
+    assert (explicit.target.dtype, explicit.train.bf16) == ("bfloat16", False)
+    # The saved config holds what ran, and run.json says why.
+    out = record_run(tmp_path / "run", cfg)
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert (saved["target"]["dtype"], saved["train"]["bf16"]) == (dtype, autocast)
+    assert json.loads((out / "run.json").read_text())["hardware"] == machine
+    with pytest.raises(ConfigError, match="train.bf16: must be true, false or auto"):
+        load_config(DistillConfig, None, ["train.bf16=sometimes"])
+
+
+def test_hardware_report_matches_this_machine():
+    import torch
+
+    from specdistill.precision import bf16_is_fast, hardware, resolve_dtype
+
+    info = hardware()
+    assert info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert resolve_dtype("auto") == ("bfloat16" if bf16_is_fast() else "float32")
+    assert resolve_dtype("float32") == "float32"
