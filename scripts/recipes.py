@@ -45,6 +45,10 @@ RECIPES = {
     "fkl-cache-ce": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache", "train.ce_weight=0.5"],
     # A sampled softmax over ≈ 16k tokens: 2.2× the steps per second (docs/results.md, step profile).
     "fkl-cache-hv16k": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache", "train.head_vocab=16384"],
+    # Prompt tokens as loss tokens too, against the teacher stored during the prefill. Pass
+    # generate.prompt_teacher=true to every recipe so that they all share one generated set.
+    "fkl-cache-prompt": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache",
+                         "generate.prompt_teacher=true", "train.prompt_loss=true"],
 }
 
 

@@ -98,12 +98,18 @@ class GenerateConfig:
     # > 0: also keep the target's top-k log-probs behind each reply token, the teacher for
     # train.data_mode=cache at no extra target pass (else the cache costs one forward over the set).
     teacher_top_k: int = 0
-    # > 0: stop starting batches after this many minutes and train on what exists (a random sample of the
-    # prompts); a later run with the same settings fills in the rest. Bounds a demo on a slow machine.
+    # > 0: the set's generation budget in minutes, summed over every run that generates into its folder (a
+    # resumed run does not start a fresh clock). Once spent, training uses what exists (a random sample of the
+    # prompts); a run with a larger value, or 0 = no limit, fills in the rest. Bounds a demo on a slow machine.
     max_minutes: float = 0.0
+    # Also store the teacher's top-k at every prompt position (for train.prompt_loss): the prefill forward
+    # already ran there, only its LM head covers all positions instead of the last.
+    prompt_teacher: bool = False
 
     def __post_init__(self):
         _check(self.num_prompts >= 1, "generate.num_prompts", "must be >= 1")
+        _check(not self.prompt_teacher or self.teacher_top_k > 0, "generate.prompt_teacher",
+               "needs generate.teacher_top_k > 0")
         _check(self.max_minutes >= 0.0, "generate.max_minutes", "must be >= 0 (0 = no limit)")
         _check(self.teacher_top_k >= 0, "generate.teacher_top_k", "must be >= 0 (0 = do not store the teacher)")
         _check(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
@@ -156,6 +162,9 @@ class TrainConfig:
     # is most of a small draft's training FLOPs). The saved draft keeps its full head, so export is unchanged.
     head_vocab: int = 0
     head_negatives: int = 1024
+    # data_mode=cache: prompt tokens are loss tokens too, against the teacher stored there by
+    # generate.prompt_teacher (user text, not the target's own replies, but ≈ 5× cheaper per token).
+    prompt_loss: bool = False
     seed: int = 0
 
     def __post_init__(self):
@@ -197,6 +206,8 @@ class DistillConfig:
         stored = self.generate.teacher_top_k
         _check(not (self.train.data_mode == "cache" and stored) or self.train.cache_top_k <= stored,
                "train.cache_top_k", f"must be <= generate.teacher_top_k ({stored}), the entries stored per token")
+        _check(not self.train.prompt_loss or (self.train.data_mode == "cache" and self.generate.prompt_teacher),
+               "train.prompt_loss", "needs train.data_mode=cache and generate.prompt_teacher=true")
 
 
 @dataclass
@@ -215,6 +226,9 @@ class DemoConfig:
     max_total_minutes: float = 0.0
     reserve_minutes: float = 6.0
     min_train_minutes: float = 3.0
+    # Unix time the budget counts from. `make demo` passes the moment it started, so a fresh machine's venv and
+    # package setup counts against max_total_minutes too; 0 = demo.py's own start.
+    started_at: float = 0.0
     output_dir: str = "runs/demo"
 
     def __post_init__(self):
@@ -223,6 +237,7 @@ class DemoConfig:
         _check(self.reserve_minutes >= 0 and self.min_train_minutes > 0, "min_train_minutes",
                "must be > 0 (and reserve_minutes >= 0)")
         _check(self.decode_new_tokens >= 1, "decode_new_tokens", "must be >= 1")
+        _check(self.started_at >= 0, "started_at", "must be a Unix time (0 = now)")
 
 
 # Entry script -> its config class; a preset's header comment names the script that runs it.

@@ -315,6 +315,8 @@ TEACHER_FEATURES = {
     "topk_ids": datasets.Sequence(datasets.Sequence(datasets.Value("int32"))),
     "topk_logp": datasets.Sequence(datasets.Sequence(datasets.Value("float16"))),
 }
+# With generate.prompt_teacher: the same at prompt positions 0..P-2, each predicting the next prompt token.
+PROMPT_TEACHER_FEATURES = {f"prompt_{name}": feature for name, feature in TEACHER_FEATURES.items()}
 
 
 def _shards(out_dir: Path) -> list[Path]:
@@ -337,20 +339,24 @@ GENERATOR_TAG = hashlib.sha256(GENERATOR.encode()).hexdigest()[:6]  # for cache 
 def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], out_dir: str | Path,
                        max_prompt_tokens: int, max_new_tokens: int, batch_size: int, temperature: float = 0.0,
                        top_p: float = 1.0, seed: int = 0, max_batches: int | None = None,
-                       teacher_top_k: int = 0, max_minutes: float = 0.0) -> datasets.Dataset:
+                       teacher_top_k: int = 0, max_minutes: float = 0.0, prompt_teacher: bool = False
+                       ) -> datasets.Dataset:
     """Generate the target's own replies to ``prompts`` (``(id, messages)``) into Arrow shards.
 
     ``teacher_top_k`` > 0 also stores, per reply token, the target's top-k log-probs (T=1) from the very
     forward that sampled it: logit distillation's teacher at no extra target pass (``train.data_mode=cache``).
+    ``prompt_teacher`` also stores it at the prompt's positions (``prompt_topk_*``, for ``train.prompt_loss``):
+    the prefill computed them anyway, only its LM head runs on every position instead of the last.
 
     Each finished batch is one shard, written atomically, so a killed run resumes and redoes at most
     the batch in flight. Prompts are sorted by length (less padding); a shard's seed depends only on its
     index, so a resumed run samples exactly what an uninterrupted one would.
 
-    Batches run in a seeded random order, so the progress bar's ETA is honest and ``max_minutes`` (> 0: stop
-    starting batches once this run has generated that long) leaves a sample of all prompt lengths, not only
-    the shortest. The set is then partial: it is returned as is, and a later call with the same settings
-    generates the missing batches into the same folder.
+    Batches run in a seeded random order, so the progress bar's ETA is honest and ``max_minutes`` (> 0: the
+    set's generation budget, summed over every call that wrote into the folder, so a resumed or repeated call
+    does not start a fresh clock) leaves a sample of all prompt lengths, not only the shortest. Once the budget
+    is spent no batch starts (except a first one, so there is always data): the partial set is returned as is,
+    and a call with a larger ``max_minutes`` (or 0, no limit) generates the missing batches into the same folder.
     """
     import torch
     from tqdm.auto import tqdm
@@ -364,6 +370,10 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
                 "prompt_ids": hashlib.sha256("\n".join(p[0] for p in prompts).encode()).hexdigest()[:16]}
     if teacher_top_k:  # only then, so folders written before this option keep matching their settings
         settings["teacher_top_k"] = teacher_top_k
+    if prompt_teacher:
+        if not teacher_top_k:
+            raise DataError("generate.prompt_teacher needs generate.teacher_top_k > 0")
+        settings["prompt_teacher"] = True
     meta_path = out_dir / "settings.json"
     if meta_path.is_file():
         previous = json.loads(meta_path.read_text())
@@ -391,23 +401,26 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
         shutil.rmtree(stale, ignore_errors=True)
 
     eos_ids = _eos_ids(model, tokenizer)
+    spent_path = out_dir / "generation_seconds.json"
+    spent_before = json.loads(spent_path.read_text())["seconds"] if spent_path.is_file() else 0.0
     todo = [i for i in range(len(batches)) if i not in done]
     random.Random(seed).shuffle(todo)  # the order only: each shard's content depends on its index alone
     bar = tqdm(todo, desc="target generation", unit="batch", initial=0, total=len(todo))
     generated_tokens, started = 0, time.perf_counter()  # this run's, so a resumed run shows its own rate
     for position, index in enumerate(bar):
-        if position and max_minutes and time.perf_counter() - started > max_minutes * 60:
+        have = len(done) + position
+        if have and max_minutes and spent_before + time.perf_counter() - started > max_minutes * 60:
             bar.close()
-            have = len(done) + position
-            warnings.warn(f"generate.max_minutes={max_minutes:g}: stopped after {have} of {len(batches)} batches; "
-                          f"training uses those, and a later run with the same settings generates the other "
-                          f"{len(batches) - have} into {out_dir}", stacklevel=2)
+            warnings.warn(f"generate.max_minutes={max_minutes:g}: the set's generation budget is spent with {have} of "
+                          f"{len(batches)} batches; training uses those. A run with a larger generate.max_minutes "
+                          f"(0 = no limit) generates the other {len(batches) - have} into {out_dir}", stacklevel=2)
             break
         batch = batches[index]
         # A shard's seed depends only on its index, so a resumed run samples what an uninterrupted one would.
         outputs = target_only_generate_batch(model, [ids for _, ids in batch], max_new_tokens, eos_ids,
                                              temperature=temperature, top_p=top_p,
-                                             seed=seed * 1_000_003 + index, record_top_k=teacher_top_k)
+                                             seed=seed * 1_000_003 + index, record_top_k=teacher_top_k,
+                                             record_prompt=prompt_teacher)
         rows = [{"prompt_id": prompt_id, "prompt_ids": ids, "response_ids": out.tokens,
                  "finished": bool(out.tokens) and out.tokens[-1] in eos_ids}
                 for (prompt_id, ids), out in zip(batch, outputs)]
@@ -417,10 +430,18 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
             for row, out in zip(rows, outputs):
                 row["topk_ids"] = torch.stack([ids for ids, _ in out.teacher]).int().tolist()
                 row["topk_logp"] = torch.stack([logp for _, logp in out.teacher]).half().float().tolist()
+        if prompt_teacher:
+            features = datasets.Features({**features, **PROMPT_TEACHER_FEATURES})
+            for row, out in zip(rows, outputs):
+                row["prompt_topk_ids"] = torch.stack([ids for ids, _ in out.prompt_teacher]).int().tolist()
+                row["prompt_topk_logp"] = torch.stack([lp for _, lp in out.prompt_teacher]).half().float().tolist()
         shard = datasets.Dataset.from_list(rows, features=features)
         from .assets import atomic_write_dir
 
         atomic_write_dir(out_dir / f"shard-{index:05d}", lambda tmp, shard=shard: shard.save_to_disk(str(tmp)))
+        spent = spent_before + time.perf_counter() - started
+        (out_dir / ".tmp-seconds.json").write_text(json.dumps({"seconds": spent}))
+        (out_dir / ".tmp-seconds.json").replace(spent_path)  # atomic: a kill never leaves half a number
         generated_tokens += sum(len(r["response_ids"]) for r in rows)
         bar.set_postfix(reply_tokens=generated_tokens, tok_s=f"{generated_tokens / (time.perf_counter() - started):.0f}")
     return load_generated(out_dir)
@@ -437,14 +458,19 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def generated_to_teacher_rows(ds: datasets.Dataset, seq_len: int, top_k: int) -> datasets.Dataset:
+def generated_to_teacher_rows(ds: datasets.Dataset, seq_len: int, top_k: int, prompt_loss: bool = False
+                              ) -> datasets.Dataset:
     """Generated rows with a stored teacher -> the offline teacher cache's layout (``trainer.build_teacher_cache``).
 
     The teacher rows follow the loss positions in order, cut where ``seq_len`` cuts the reply, and keep the
-    ``top_k`` most likely of the stored entries (stored sorted, so that is again a top-k).
+    ``top_k`` most likely of the stored entries (stored sorted, so that is again a top-k). ``prompt_loss``
+    also makes prompt tokens 1..P-1 loss tokens, with the teacher stored there (``generate.prompt_teacher``).
     """
     if "topk_ids" not in ds.column_names:
         raise DataError("this generated set holds no teacher log-probs: generate it with generate.teacher_top_k > 0")
+    if prompt_loss and "prompt_topk_ids" not in ds.column_names:
+        raise DataError("train.prompt_loss needs the teacher at prompt positions: generate the set with "
+                        "generate.prompt_teacher=true")
     stored = len(ds[0]["topk_ids"][0]) if len(ds) and ds[0]["topk_ids"] else top_k
     if top_k > stored:
         raise DataError(f"train.cache_top_k={top_k} exceeds the {stored} teacher entries stored per token "
@@ -453,9 +479,14 @@ def generated_to_teacher_rows(ds: datasets.Dataset, seq_len: int, top_k: int) ->
     def convert(row):
         prompt, reply = row["prompt_ids"], row["response_ids"]
         kept = max(0, min(len(reply), seq_len - len(prompt)))
-        return {"input_ids": (prompt + reply)[:seq_len], "loss_mask": ([0] * len(prompt) + [1] * len(reply))[:seq_len],
-                "topk_ids": [t[:top_k] for t in row["topk_ids"][:kept]],
-                "topk_logp": [t[:top_k] for t in row["topk_logp"][:kept]]}
+        ids, logp = row["topk_ids"][:kept], row["topk_logp"][:kept]
+        prompt_mask = [0] * len(prompt)
+        if prompt_loss:
+            in_window = min(len(prompt), seq_len) - 1  # prompt tokens 1.. inside the window
+            prompt_mask = [0] + [1] * (len(prompt) - 1)
+            ids, logp = row["prompt_topk_ids"][:in_window] + ids, row["prompt_topk_logp"][:in_window] + logp
+        return {"input_ids": (prompt + reply)[:seq_len], "loss_mask": (prompt_mask + [1] * len(reply))[:seq_len],
+                "topk_ids": [t[:top_k] for t in ids], "topk_logp": [t[:top_k] for t in logp]}
 
     return ds.map(convert, remove_columns=ds.column_names, desc="pack generated data + teacher",
                   features=datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
@@ -495,6 +526,8 @@ def generated_dir(target_path: str, gen, data, split: str = "train") -> Path:
              gen.max_prompt_tokens, gen.max_new_tokens, gen.temperature, gen.top_p, gen.seed]
     if gen.teacher_top_k:  # appended only when set, so existing caches keep their folder
         parts.append(f"teacher-top{gen.teacher_top_k}")
+    if gen.prompt_teacher:
+        parts.append("prompt-teacher")
     key = json.dumps(parts)
     name = Path(target_path).name or "target"
     return cache_dir() / "generated" / f"{name}-{split}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -511,7 +544,8 @@ def target_generated_dataset(model, tokenizer, target_path: str, data, gen, reco
     return generate_responses(model, tokenizer, prompts, generated_dir(target_path, gen, data, split),
                               max_prompt_tokens=gen.max_prompt_tokens, max_new_tokens=gen.max_new_tokens,
                               batch_size=gen.batch_size, temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed,
-                              teacher_top_k=gen.teacher_top_k, max_minutes=gen.max_minutes)
+                              teacher_top_k=gen.teacher_top_k, max_minutes=gen.max_minutes,
+                              prompt_teacher=gen.prompt_teacher)
 
 
 def load_conversations(data) -> list[dict]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import evaluation
-from .config import DemoConfig, DistillConfig, cli_args, load_config, record_run
+from .config import ConfigError, DemoConfig, DistillConfig, cli_args, load_config, record_run
 from .data import load_mtbench, target_generated_dataset
 from .export import export
 from .models import build_draft, load_model, load_tokenizer
@@ -33,22 +33,38 @@ def training_minutes(preset_minutes: float, elapsed_minutes: float, cfg: DemoCon
     return max(cfg.min_train_minutes, capped)
 
 
+def generation_minutes(preset_minutes: float, elapsed_minutes: float, cfg: DemoConfig) -> float:
+    """Generation minutes that leave the reserve and the shortest training inside ``max_total_minutes``
+    (a slow setup eats into data first, not into the evaluation). 0 = no limit, as in the preset."""
+    if not cfg.max_total_minutes:
+        return preset_minutes
+    left = cfg.max_total_minutes - elapsed_minutes - cfg.reserve_minutes - cfg.min_train_minutes
+    return max(0.5, min(preset_minutes, left) if preset_minutes else left)
+
+
 def main(argv: list[str] | None = None) -> int:
-    started = time.perf_counter()
     args = cli_args(argv, description=__doc__)
     cfg = load_config(DemoConfig, args.config, args.overrides)
+    started = cfg.started_at or time.time()  # wall clock: `make demo`'s own start when it passes one
+    if time.time() - started > 3600 * 24:
+        raise ConfigError(f"started_at={cfg.started_at:.0f} is more than a day ago: pass a Unix time from this run")
     out = record_run(cfg.output_dir, cfg)
     dcfg = load_config(DistillConfig, cfg.distill_config, [f"output_dir={out / 'distill'}", *cfg.distill_overrides])
 
     if cfg.max_total_minutes and dcfg.train.data_mode != "fixed":
         # Generate (or load the cached) data first, so the training budget is what the clock has left.
         print("== 0/4 target-generated data (cached after the first run)")
+        minutes = generation_minutes(dcfg.generate.max_minutes, (time.time() - started) / 60, cfg)
+        if minutes != dcfg.generate.max_minutes:
+            print(f"   generating for at most {minutes:.1f} min (preset {dcfg.generate.max_minutes:g}) "
+                  f"to finish within max_total_minutes={cfg.max_total_minutes:g}")
+            dcfg.generate.max_minutes = minutes
         target = load_model(dcfg.target.path, dcfg.target.dtype)
         tokenizer = load_tokenizer(dcfg.target.path)
         target_generated_dataset(target, tokenizer, dcfg.target.path, dcfg.data, dcfg.generate)
         eval_set(target, tokenizer, dcfg)
         del target
-        elapsed = (time.perf_counter() - started) / 60
+        elapsed = (time.time() - started) / 60
         minutes = training_minutes(dcfg.train.max_minutes, elapsed, cfg)
         if minutes != dcfg.train.max_minutes:
             print(f"   {elapsed:.1f} min so far: training for {minutes:.1f} min (preset {dcfg.train.max_minutes:g}) "
@@ -104,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                       gguf_dtype="f16")
     for engine, (ok, why) in exported["checks"].items():
         print(f"  {'OK' if ok else 'NO'} {engine}: {why}")
-    summary["total_minutes"] = (time.perf_counter() - started) / 60  # from demo.py's start, setup excluded
+    summary["total_minutes"] = (time.time() - started) / 60  # from started_at: `make demo` includes its setup
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print("\n| | init | trained |\n|---|---|---|")
     print(f"| draft size (of target params) | {summary['draft_ratio']:.1%} | {summary['draft_ratio']:.1%} |")

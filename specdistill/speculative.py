@@ -139,6 +139,8 @@ class GenerationOutput:
     stats: dict = field(default_factory=dict)
     # With ``record_top_k``: per new token, the target's top-k (ids, log-probs at T=1) of the logits it came from.
     teacher: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # With ``record_prompt``: the same at prompt positions 0..P-2 (each predicting the next prompt token).
+    prompt_teacher: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def cache_kwarg(model) -> str:
@@ -423,21 +425,28 @@ class SpeculativeGenerator:
 def target_only_generate_batch(target, prompts: list[list[int]], max_new_tokens: int = 128, eos_token_id=None,
                                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                                seed: int | None = None, stop_sequences: list[list[int]] | None = None,
-                               record_top_k: int = 0) -> list[GenerationOutput]:
+                               record_top_k: int = 0, record_prompt: bool = False) -> list[GenerationOutput]:
     """The fair baseline: the same model, dtype, cache, batching and sampling code, one target call per token.
 
     Also the data generator's loop (``data.generate_responses``): batched, finished rows leave the batch.
     ``record_top_k`` keeps the target's top-k log-probs behind every new token: the distillation teacher at
-    those positions, already paid for by the generation forward.
+    those positions, already paid for by the generation forward. ``record_prompt`` also keeps them at the
+    prompt's positions 0..P-2 (predicting prompt tokens 1..P-1) in ``prompt_teacher``: the prefill forward is
+    paid for too, and only its LM head runs on more positions (≈ ⅕ of a generated token's cost).
     """
 
     params = SamplingParams(temperature, top_k, top_p)
     eos, stops = _stop_rule(prompts, eos_token_id, stop_sequences)
+    if record_prompt and not record_top_k:
+        raise ValueError("record_prompt needs record_top_k > 0")
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     model = _CachedModel(target.eval(), len(prompts))
     start = time.perf_counter()
-    last = model.feed([list(p) for p in prompts], last_only=True)
     outputs = [GenerationOutput([], {"target_calls": 0, "tau": 1.0}) for _ in prompts]
+    if record_prompt:
+        last = _prefill_recording(model, prompts, record_top_k, outputs)
+    else:
+        last = model.feed([list(p) for p in prompts], last_only=True)
     active = list(range(len(prompts)))
     while active:
         feed, still = [], []
@@ -465,6 +474,29 @@ def target_only_generate_batch(target, prompts: list[list[int]], max_new_tokens:
             active = [active[s] for s in still]
         last = model.feed(feed, last_only=True)
     return outputs
+
+
+PREFILL_CHUNK = 64  # positions per prefill forward when prompt logits are kept: B × 64 × V floats at most
+
+
+def _prefill_recording(model: _CachedModel, prompts: list[list[int]], top_k: int, outputs: list[GenerationOutput]
+                       ) -> torch.Tensor:
+    """Prefill in chunks of ``PREFILL_CHUNK`` positions (full-vocabulary logits for the whole prompt batch would
+    take GBs), keeping each prompt position's top-k; returns the last position's logits (B, V), as
+    ``feed(last_only=True)`` would."""
+    last = [None] * len(prompts)
+    for offset in range(0, max(map(len, prompts)), PREFILL_CHUNK):
+        logits = model.feed([list(p[offset: offset + PREFILL_CHUNK]) for p in prompts])
+        for r, (prompt, row_logits) in enumerate(zip(prompts, logits)):
+            if not row_logits.shape[0]:
+                continue
+            if offset + row_logits.shape[0] == len(prompt):
+                last[r] = row_logits[-1]
+                row_logits = row_logits[:-1]  # the reply's first teacher entry: recorded with the reply
+            if row_logits.shape[0]:
+                ids, logp = teacher_topk(row_logits, top_k)
+                outputs[r].prompt_teacher += list(zip(ids, logp))
+    return torch.stack(last)
 
 
 def target_only_generate(target, prompt_ids: list[int], max_new_tokens: int = 128, eos_token_id=None,

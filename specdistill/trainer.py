@@ -149,7 +149,7 @@ def training_rows(cfg: DistillConfig, target, tokenizer, accelerator):
     with accelerator.main_process_first():
         generated = target_generated_dataset(target, tokenizer, cfg.target.path, cfg.data, cfg.generate)
     if cfg.train.data_mode == "cache" and cfg.generate.teacher_top_k:
-        return generated_to_teacher_rows(generated, cfg.train.seq_len, cfg.train.cache_top_k)
+        return generated_to_teacher_rows(generated, cfg.train.seq_len, cfg.train.cache_top_k, cfg.train.prompt_loss)
     return generated_to_training(generated)
 
 

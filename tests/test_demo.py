@@ -1,7 +1,7 @@
 import pytest
 
 from specdistill.config import ConfigError, DemoConfig
-from specdistill.demo import training_minutes
+from specdistill.demo import generation_minutes, training_minutes
 
 
 def test_demo_training_shrinks_to_fit_the_wall_clock_budget():
@@ -18,3 +18,14 @@ def test_demo_budget_values_are_checked():
         DemoConfig(max_total_minutes=-1)
     with pytest.raises(ConfigError, match="min_train_minutes"):
         DemoConfig(min_train_minutes=0)
+
+
+def test_demo_generation_shrinks_first_when_setup_was_slow():
+    cfg = DemoConfig(max_total_minutes=29, reserve_minutes=8, min_train_minutes=3)
+    assert generation_minutes(8, 2.0, cfg) == 8  # a quick setup: the preset's 8 minutes
+    assert generation_minutes(8, 14.0, cfg) == pytest.approx(4.0)  # 29 − 14 − 8 − 3 leaves 4 for data
+    assert generation_minutes(8, 28.0, cfg) == 0.5  # past the budget: one batch's worth, never zero data
+    assert generation_minutes(0, 2.0, cfg) == pytest.approx(16.0)  # no preset limit: what the budget allows
+    assert generation_minutes(8, 20.0, DemoConfig()) == 8  # budget off: the preset unchanged
+    with pytest.raises(ConfigError, match="started_at"):
+        DemoConfig(started_at=-1)

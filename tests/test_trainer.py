@@ -172,6 +172,20 @@ def test_cache_mode_uses_the_teacher_stored_at_generation(tiny_pair_dir, convers
                "train.cache_top_k=8")
 
 
+def test_prompt_loss_trains_on_prompt_positions_too(tiny_pair_dir, conversations, tmp_path, monkeypatch):
+    """train.prompt_loss: the same replies (one generated set), more loss tokens: every prompt token but the first."""
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    shared = ["train.data_mode=cache", "generate.teacher_top_k=6", "train.cache_top_k=4", "generate.num_prompts=8",
+              "generate.max_new_tokens=8", "generate.batch_size=4", "generate.prompt_teacher=true",
+              "train.max_steps=3", "train.eval_prompts=0", "train.batch_size=8", "train.seq_len=512"]
+    replies = run(config(tiny_pair_dir, conversations, tmp_path / "replies", *shared))
+    both = run(config(tiny_pair_dir, conversations, tmp_path / "both", *shared, "train.prompt_loss=true"))
+    assert len(list((tmp_path / "cache" / "generated").iterdir())) == 1  # both read one generated set
+    assert both["steps"] == replies["steps"] == 3
+    assert both["loss_tokens"] > replies["loss_tokens"] > 0
+    assert all(math.isfinite(x) for x in train_losses(tmp_path / "both"))
+
+
 def _cli(pair, data, out, *extra):
     return [sys.executable, str(ROOT / "distill.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
             *overrides(pair, data, out, *extra)]
