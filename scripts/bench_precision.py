@@ -40,6 +40,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64, help="generation batch (the presets' generate.batch_size)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seq-len", type=int, default=0, help="training rows' length (0 = the preset's train.seq_len)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-precision"))
     args = parser.parse_args()
     cfg = load_config(DistillConfig, args.config)
@@ -69,7 +70,7 @@ def main() -> int:
     optimizer = torch.optim.AdamW(draft.parameters(), lr=tc.lr, betas=(0.9, 0.95))
     gen_rng = torch.Generator().manual_seed(0)
     vocab, k = head.shape[0], tc.cache_top_k
-    ids = torch.randint(0, vocab, (tc.batch_size, tc.seq_len), generator=gen_rng)
+    ids = torch.randint(0, vocab, (tc.batch_size, args.seq_len or tc.seq_len), generator=gen_rng)
     labels = ids[:, 1:].reshape(-1)
     teacher_ids = torch.randint(0, vocab, (labels.numel(), k), generator=gen_rng)
     teacher_logp = torch.log_softmax(torch.randn(labels.numel(), k, generator=gen_rng), -1)
@@ -87,21 +88,22 @@ def main() -> int:
 
     for name in DTYPES:  # warm-up: first calls pay one-off costs
         target_only_generate_batch(targets[name], prompts[:4], 2, eos_token_id=None, seed=0)
-        train_step(name)
+        print(f"  warm-up train step {name}: {1 / train_step(name):.1f} s", flush=True)
     rates = {f"{what} {name}": [] for what in ("generate", "train") for name in DTYPES}
     for _ in range(args.repeats):
         for name in DTYPES:
-            rates[f"generate {name}"].append(generate(name))
-            rates[f"train {name}"].append(train_step(name))
+            for what, fn in (("generate", generate), ("train", train_step)):
+                rates[f"{what} {name}"].append(fn(name))
+                print(f"  {what} {name}: {rates[f'{what} {name}'][-1]:.3g}/s", flush=True)
     medians = {key: statistics.median(values) for key, values in rates.items()}
     ratios = {what: medians[f"{what} bfloat16"] / medians[f"{what} float32"] for what in ("generate", "train")}
     result = {"hardware": hardware(), "bf16_is_fast": bf16_is_fast(), "auto_picks": resolve_dtype("auto"),
-              "batch": len(prompts), "new_tokens": args.new_tokens, "train_batch": [tc.batch_size, tc.seq_len],
+              "batch": len(prompts), "new_tokens": args.new_tokens, "train_batch": list(ids.shape),
               "medians": medians, "bf16_over_fp32": ratios, "runs": rates}
     print(f"hardware {hardware()}; auto picks {result['auto_picks']}. Medians of {args.repeats}:")
     print(f"  generation, batch {len(prompts)} × {args.new_tokens} new tokens: fp32 {medians['generate float32']:.1f} "
           f"tok/s, bf16 {medians['generate bfloat16']:.1f} tok/s → bf16/fp32 {ratios['generate']:.2f}×")
-    print(f"  distillation step, {tc.batch_size} × {tc.seq_len} tokens: fp32 {1 / medians['train float32']:.2f} s, "
+    print(f"  distillation step, {ids.shape[0]} × {ids.shape[1]} tokens: fp32 {1 / medians['train float32']:.2f} s, "
           f"bf16 autocast {1 / medians['train bfloat16']:.2f} s → bf16/fp32 {ratios['train']:.2f}× steps/s")
     (args.out / "bench_precision.json").write_text(json.dumps(result, indent=2))
     return 0
