@@ -45,6 +45,11 @@ RECIPES = {
     "fkl-cache-ce": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache", "train.ce_weight=0.5"],
     # A sampled softmax over ≈ 16k tokens: 2.2× the steps per second (docs/results.md, step profile).
     "fkl-cache-hv16k": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache", "train.head_vocab=16384"],
+    # The same with a smaller head (more steps per minute, more of the teacher's mass left out), and with twice
+    # the learning rate (the sampled-softmax steps are cheaper, so the run takes more of them).
+    "fkl-cache-hv8k": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache", "train.head_vocab=8192"],
+    "fkl-cache-hv16k-lr2x": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache",
+                             "train.head_vocab=16384", "train.lr=2e-3"],
     # Prompt tokens as loss tokens too, against the teacher stored during the prefill. Pass
     # generate.prompt_teacher=true to every recipe so that they all share one generated set.
     "fkl-cache-prompt": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache",
