@@ -9,9 +9,12 @@ adds our loop keeping the target's top-k log-probs per token, the cost of ``gene
 
     python scripts/bench_generate.py --compare-batches 64,128,256 --max-new-tokens 64 --repeats 2
 
-instead times our loop alone (with the top-k capture) over one set of as many prompts as the largest batch,
-sorted by length and cut into batches of each size as ``data.generate_responses`` does: which
-``generate.batch_size`` makes data fastest on this machine.
+instead times our loop alone (with the top-k capture) over one set of as many prompts as the largest batch
+(``--prompts`` for more), sorted by length and cut into batches of each size as ``data.generate_responses``
+does: which ``generate.batch_size`` makes data fastest on this machine. ``--eos`` stops rows at EOS, as real
+data generation does, so short replies leave their batch early and tokens/s counts the tokens made.
+
+    python scripts/bench_generate.py --compare-batches 64,32 --prompts 128 --eos --max-new-tokens 128 --repeats 2
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specdistill.config import record_run
-from specdistill.data import load_sharegpt, sharegpt_prompts
+from specdistill.data import eos_token_ids, load_sharegpt, sharegpt_prompts
 from specdistill.models import load_model, load_tokenizer
 from specdistill.precision import resolve_dtype
 from specdistill.speculative import target_only_generate_batch
@@ -50,6 +53,11 @@ def main() -> int:
                              "(generate.teacher_top_k); 0 skips it")
     parser.add_argument("--compare-batches", default="",
                         help="comma-separated batch sizes: time our loop at each on the same prompts instead")
+    parser.add_argument("--prompts", type=int, default=0,
+                        help="--compare-batches: how many prompts (default: the largest batch size)")
+    parser.add_argument("--eos", action="store_true",
+                        help="--compare-batches: stop rows at EOS as data generation does (default: every row "
+                             "makes --max-new-tokens)")
     parser.add_argument("--out", default=None, help="folder for bench_generate.json")
     args = parser.parse_args()
     args.dtype = resolve_dtype(args.dtype)  # the report names the dtype that ran
@@ -117,25 +125,27 @@ def compare_batches(args) -> int:
     sizes = [int(b) for b in args.compare_batches.split(",")]
     tokenizer = load_tokenizer(args.target)
     model = load_model(args.target, args.dtype)
-    prompts = load_prompts(tokenizer, max(sizes), args.max_prompt_tokens)
+    prompts = load_prompts(tokenizer, args.prompts or max(sizes), args.max_prompt_tokens)
     new = args.max_new_tokens
+    eos = eos_token_ids(model, tokenizer) if args.eos else None
     # Warm-up, so the first size timed does not pay for the first call's one-off costs.
     target_only_generate_batch(model, prompts[: min(sizes)], 4, eos_token_id=None, seed=0,
                                temperature=args.temperature, top_p=args.top_p, record_top_k=args.record_top_k)
     rates = {size: [] for size in sizes}
     for _ in range(args.repeats):  # interleaved, so drift hits all sizes alike
         for size in sizes:
-            start = time.perf_counter()
+            start, made = time.perf_counter(), 0
             for i in range(0, len(prompts), size):
-                target_only_generate_batch(model, prompts[i: i + size], new, eos_token_id=None, seed=i,
-                                           temperature=args.temperature, top_p=args.top_p,
-                                           record_top_k=args.record_top_k)
-            rates[size].append(len(prompts) * new / (time.perf_counter() - start))
+                outputs = target_only_generate_batch(model, prompts[i: i + size], new, eos_token_id=eos, seed=i,
+                                                     temperature=args.temperature, top_p=args.top_p,
+                                                     record_top_k=args.record_top_k)
+                made += sum(len(out.tokens) for out in outputs)
+            rates[size].append(made / (time.perf_counter() - start))
     medians = {size: statistics.median(r) for size, r in rates.items()}
-    result = {"prompts": len(prompts), "max_new_tokens": new, "dtype": args.dtype, "record_top_k": args.record_top_k,
+    result = {"prompts": len(prompts), "max_new_tokens": new, "eos": args.eos, "dtype": args.dtype, "record_top_k": args.record_top_k,
               "tokens_per_s": medians, "runs": rates,
               "ratio_vs_first": {size: medians[size] / medians[sizes[0]] for size in sizes}}
-    print(f"{len(prompts)} prompts, {new} new tokens, {args.dtype}, top-{args.record_top_k} capture, "
+    print(f"{len(prompts)} prompts, {new} new tokens{' (EOS stops a row)' if args.eos else ''}, {args.dtype}, top-{args.record_top_k} capture, "
           f"median of {args.repeats}:")
     for size in sizes:
         print(f"  batch {size:4d}: {medians[size]:7.1f} tok/s ({result['ratio_vs_first'][size]:.2f}× batch {sizes[0]})")

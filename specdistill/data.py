@@ -400,7 +400,7 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
     for stale in out_dir.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
 
-    eos_ids = _eos_ids(model, tokenizer)
+    eos_ids = eos_token_ids(model, tokenizer)
     spent_path = out_dir / "generation_seconds.json"
     spent_before = json.loads(spent_path.read_text())["seconds"] if spent_path.is_file() else 0.0
     todo = [i for i in range(len(batches)) if i not in done]
@@ -447,7 +447,7 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
     return load_generated(out_dir)
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
+def eos_token_ids(model, tokenizer) -> list[int]:
     ids = set()
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for value in (gen_eos, tokenizer.eos_token_id):
