@@ -56,6 +56,10 @@ RECIPES = {
                               "train.head_vocab=16384", "draft.num_layers=2", "draft.hidden_size=256"],
     "fkl-cache-hv16k-2x384": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache",
                               "train.head_vocab=16384", "draft.num_layers=2", "draft.hidden_size=384"],
+    # The target's greedy replies as the data (its own set; the stored teacher is still the T=1 softmax): the
+    # trajectories a greedy decode visits, where the headline's greedy acceptance is measured.
+    "fkl-cache-hv16k-greedydata": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache",
+                                   "train.head_vocab=16384", "generate.temperature=0"],
     # Prompt tokens as loss tokens too, against the teacher stored during the prefill. Pass
     # generate.prompt_teacher=true to every recipe so that they all share one generated set.
     "fkl-cache-prompt": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache",
