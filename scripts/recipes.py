@@ -60,6 +60,9 @@ RECIPES = {
     # trajectories a greedy decode visits, where the headline's greedy acceptance is measured.
     "fkl-cache-hv16k-greedydata": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache",
                                    "train.head_vocab=16384", "generate.temperature=0"],
+    # The other end: replies sampled from the target's plain T=1 distribution, the one the stored teacher is.
+    "fkl-cache-hv16k-t1data": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache",
+                               "train.head_vocab=16384", "generate.temperature=1.0", "generate.top_p=1.0"],
     # Prompt tokens as loss tokens too, against the teacher stored during the prefill. Pass
     # generate.prompt_teacher=true to every recipe so that they all share one generated set.
     "fkl-cache-prompt": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache",
