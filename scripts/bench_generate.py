@@ -142,10 +142,12 @@ def compare_batches(args) -> int:
                 made += sum(len(out.tokens) for out in outputs)
             rates[size].append(made / (time.perf_counter() - start))
     medians = {size: statistics.median(r) for size, r in rates.items()}
-    result = {"prompts": len(prompts), "max_new_tokens": new, "eos": args.eos, "dtype": args.dtype, "record_top_k": args.record_top_k,
+    result = {"prompts": len(prompts), "max_new_tokens": new, "eos": args.eos, "dtype": args.dtype,
+              "record_top_k": args.record_top_k,
               "tokens_per_s": medians, "runs": rates,
               "ratio_vs_first": {size: medians[size] / medians[sizes[0]] for size in sizes}}
-    print(f"{len(prompts)} prompts, {new} new tokens{' (EOS stops a row)' if args.eos else ''}, {args.dtype}, top-{args.record_top_k} capture, "
+    stop = " (EOS stops a row)" if args.eos else ""
+    print(f"{len(prompts)} prompts, {new} new tokens{stop}, {args.dtype}, top-{args.record_top_k} capture, "
           f"median of {args.repeats}:")
     for size in sizes:
         print(f"  batch {size:4d}: {medians[size]:7.1f} tok/s ({result['ratio_vs_first'][size]:.2f}× batch {sizes[0]})")

@@ -32,6 +32,7 @@ from specdistill.trainer import run as train_run
 
 # name -> overrides on top of the config. CE is the SFT / sequence-level KD baseline on the same replies.
 # Each names its data mode, so a preset's own choice never changes what a recipe means.
+FKL_CACHE_HV16K = ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache", "train.head_vocab=16384"]
 RECIPES = {
     "ce": ["train.objective=ce", "train.data_mode=generated"],
     "fkl": ["train.objective=distill", "train.loss=fkl", "train.data_mode=generated"],
@@ -44,25 +45,20 @@ RECIPES = {
     "fkl-cache": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache"],
     "fkl-cache-ce": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache", "train.ce_weight=0.5"],
     # A sampled softmax over ≈ 16k tokens: 2.2× the steps per second (docs/results.md, step profile).
-    "fkl-cache-hv16k": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache", "train.head_vocab=16384"],
+    "fkl-cache-hv16k": FKL_CACHE_HV16K,
     # The same with a smaller head (more steps per minute, more of the teacher's mass left out), and with twice
     # the learning rate (the sampled-softmax steps are cheaper, so the run takes more of them).
     "fkl-cache-hv8k": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache", "train.head_vocab=8192"],
-    "fkl-cache-hv16k-lr2x": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache",
-                             "train.head_vocab=16384", "train.lr=2e-3"],
+    "fkl-cache-hv16k-lr2x": [*FKL_CACHE_HV16K, "train.lr=2e-3"],
     # Smaller drafts (10.4 % and 16.3 % of the target against the preset's 18.7 %): fewer layers cut the draft's
     # batch-1 step (c), which lowers the α a draft needs to pay; the sampled softmax keeps the head cheap to train.
-    "fkl-cache-hv16k-2x256": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache",
-                              "train.head_vocab=16384", "draft.num_layers=2", "draft.hidden_size=256"],
-    "fkl-cache-hv16k-2x384": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache",
-                              "train.head_vocab=16384", "draft.num_layers=2", "draft.hidden_size=384"],
+    "fkl-cache-hv16k-2x256": [*FKL_CACHE_HV16K, "draft.num_layers=2", "draft.hidden_size=256"],
+    "fkl-cache-hv16k-2x384": [*FKL_CACHE_HV16K, "draft.num_layers=2", "draft.hidden_size=384"],
     # The target's greedy replies as the data (its own set; the stored teacher is still the T=1 softmax): the
     # trajectories a greedy decode visits, where the headline's greedy acceptance is measured.
-    "fkl-cache-hv16k-greedydata": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache",
-                                   "train.head_vocab=16384", "generate.temperature=0"],
+    "fkl-cache-hv16k-greedydata": [*FKL_CACHE_HV16K, "generate.temperature=0"],
     # The other end: replies sampled from the target's plain T=1 distribution, the one the stored teacher is.
-    "fkl-cache-hv16k-t1data": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache",
-                               "train.head_vocab=16384", "generate.temperature=1.0", "generate.top_p=1.0"],
+    "fkl-cache-hv16k-t1data": [*FKL_CACHE_HV16K, "generate.temperature=1.0", "generate.top_p=1.0"],
     # Prompt tokens as loss tokens too, against the teacher stored during the prefill. Pass
     # generate.prompt_teacher=true to every recipe so that they all share one generated set.
     "fkl-cache-prompt": ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache",
