@@ -15,6 +15,13 @@ does: which ``generate.batch_size`` makes data fastest on this machine. ``--eos`
 data generation does, so short replies leave their batch early and tokens/s counts the tokens made.
 
     python scripts/bench_generate.py --compare-batches 64,32 --prompts 128 --eos --max-new-tokens 128 --repeats 2
+
+``--compare-mid-rows`` does the same at one batch size (``--compare-batches``' first) for each given rule
+of ``kernels.MID_ROWS``, the row counts at which a mid-sized weight takes ``W @ xᵀ`` instead of ``F.linear``
+(``;`` between rules, ``-`` for ranges): the end-to-end effect of a kernel rule on data generation.
+
+    python scripts/bench_generate.py --compare-batches 32 --compare-mid-rows "2-4;2-4,16-64" --prompts 128 \
+        --eos --max-new-tokens 128 --repeats 2
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from specdistill import kernels
 from specdistill.config import record_run
 from specdistill.data import eos_token_ids, load_sharegpt, sharegpt_prompts
 from specdistill.models import load_model, load_tokenizer
@@ -58,6 +66,9 @@ def main() -> int:
     parser.add_argument("--eos", action="store_true",
                         help="--compare-batches: stop rows at EOS as data generation does (default: every row "
                              "makes --max-new-tokens)")
+    parser.add_argument("--compare-mid-rows", default="",
+                        help="--compare-batches: kernels.MID_ROWS rules to time at its first batch size, e.g. "
+                             "'2-4;2-4,16-64'")
     parser.add_argument("--out", default=None, help="folder for bench_generate.json")
     args = parser.parse_args()
     args.dtype = resolve_dtype(args.dtype)  # the report names the dtype that ran
@@ -121,36 +132,57 @@ def load_prompts(tokenizer, n: int, max_prompt_tokens: int) -> list[list[int]]:
     return sorted(prompts[:n], key=len)  # as data.generate_responses batches them
 
 
+def parse_rows(spec: str) -> frozenset[int]:
+    """'2-4,16-64' -> {2, 3, 4, 16, ..., 64}."""
+    rows = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        low, _, high = part.partition("-")
+        rows.update(range(int(low), int(high or low) + 1))
+    return frozenset(rows)
+
+
 def compare_batches(args) -> int:
     sizes = [int(b) for b in args.compare_batches.split(",")]
+    rules = [r.strip() for r in args.compare_mid_rows.split(";") if r.strip()]
+    # (label, batch size, kernels.MID_ROWS while it runs)
+    if rules:
+        variants = [(f"batch {sizes[0]}, mid rows {rule}", sizes[0], parse_rows(rule)) for rule in rules]
+    else:
+        variants = [(f"batch {size}", size, kernels.MID_ROWS) for size in sizes]
     tokenizer = load_tokenizer(args.target)
     model = load_model(args.target, args.dtype)
     prompts = load_prompts(tokenizer, args.prompts or max(sizes), args.max_prompt_tokens)
     new = args.max_new_tokens
     eos = eos_token_ids(model, tokenizer) if args.eos else None
-    # Warm-up, so the first size timed does not pay for the first call's one-off costs.
+    # Warm-up, so the first variant timed does not pay for the first call's one-off costs.
     target_only_generate_batch(model, prompts[: min(sizes)], 4, eos_token_id=None, seed=0,
                                temperature=args.temperature, top_p=args.top_p, record_top_k=args.record_top_k)
-    rates = {size: [] for size in sizes}
-    for _ in range(args.repeats):  # interleaved, so drift hits all sizes alike
-        for size in sizes:
-            start, made = time.perf_counter(), 0
-            for i in range(0, len(prompts), size):
-                outputs = target_only_generate_batch(model, prompts[i: i + size], new, eos_token_id=eos, seed=i,
-                                                     temperature=args.temperature, top_p=args.top_p,
-                                                     record_top_k=args.record_top_k)
-                made += sum(len(out.tokens) for out in outputs)
-            rates[size].append(made / (time.perf_counter() - start))
-    medians = {size: statistics.median(r) for size, r in rates.items()}
+    rates = {label: [] for label, _, _ in variants}
+    default_rows = kernels.MID_ROWS
+    try:
+        for _ in range(args.repeats):  # interleaved, so drift hits all variants alike
+            for label, size, mid_rows in variants:
+                kernels.MID_ROWS = mid_rows
+                start, made = time.perf_counter(), 0
+                for i in range(0, len(prompts), size):
+                    outputs = target_only_generate_batch(model, prompts[i: i + size], new, eos_token_id=eos,
+                                                         seed=i, temperature=args.temperature, top_p=args.top_p,
+                                                         record_top_k=args.record_top_k)
+                    made += sum(len(out.tokens) for out in outputs)
+                rates[label].append(made / (time.perf_counter() - start))
+    finally:
+        kernels.MID_ROWS = default_rows
+    medians = {label: statistics.median(r) for label, r in rates.items()}
+    first = variants[0][0]
     result = {"prompts": len(prompts), "max_new_tokens": new, "eos": args.eos, "dtype": args.dtype,
               "record_top_k": args.record_top_k,
               "tokens_per_s": medians, "runs": rates,
-              "ratio_vs_first": {size: medians[size] / medians[sizes[0]] for size in sizes}}
+              "ratio_vs_first": {label: medians[label] / medians[first] for label in medians}}
     stop = " (EOS stops a row)" if args.eos else ""
     print(f"{len(prompts)} prompts, {new} new tokens{stop}, {args.dtype}, top-{args.record_top_k} capture, "
           f"median of {args.repeats}:")
-    for size in sizes:
-        print(f"  batch {size:4d}: {medians[size]:7.1f} tok/s ({result['ratio_vs_first'][size]:.2f}× batch {sizes[0]})")
+    for label, rate in medians.items():
+        print(f"  {label:30s}: {rate:7.1f} tok/s ({result['ratio_vs_first'][label]:.2f}× {first})")
     if args.out:
         out = record_run(Path(args.out), vars(args))
         (out / "bench_generate.json").write_text(json.dumps(result, indent=2))

@@ -66,13 +66,14 @@ def main() -> int:
     report = {"config": args.config, "overrides": args.overrides, "steps": args.steps, "rows": len(rows),
               "batch_size": tc.batch_size, "bf16": tc.bf16, "results": []}
     pad_id = load_tokenizer(cfg.target.path).pad_token_id
+    lengths = tuple(min(len(ids), tc.seq_len) for ids in rows["input_ids"]) if tc.group_by_length else None
     for vocab in vocabs:
         frequent = frequent_tokens(rows, vocab)[0] if vocab else None
         times = {phase: [] for phase in PHASES}
         loss_tokens, support = [], []
         for step in range(args.steps):  # the same batches for every head size
             t0 = time.perf_counter()
-            batch_rows = [rows[i] for i in micro_batch_rows(step, 0, tc, 1, 0, len(rows))]
+            batch_rows = [rows[i] for i in micro_batch_rows(step, 0, tc, 1, 0, len(rows), lengths)]
             batch = pad_batch(batch_rows, tc.seq_len, pad_id)
             ids, logp = stored_teacher(batch_rows, tc.cache_top_k)
             vocab_ids = None if frequent is None else step_vocab(frequent, batch["labels"], tc.head_negatives,

@@ -122,20 +122,39 @@ def step_vocab(frequent: torch.Tensor, labels: torch.Tensor, negatives: int, voc
     return torch.unique(torch.cat([frequent, labels.long(), drawn]))
 
 
+LENGTH_WINDOW = 16  # batches per window whose rows are sorted by length (train.group_by_length)
+
+
 @functools.lru_cache(maxsize=4)
-def _epoch_order(seed: int, epoch: int, num_rows: int) -> tuple[int, ...]:
+def _epoch_order(seed: int, epoch: int, num_rows: int, lengths: tuple[int, ...] | None = None,
+                 batch: int = 1) -> tuple[int, ...]:
+    """A fixed permutation of the rows per epoch. With ``lengths``, rows are sorted by length inside windows
+    of ``LENGTH_WINDOW`` batches and cut into batches of ``batch`` similar-length rows, whose order is then
+    shuffled: a batch pads to its longest row, and random batches waste ≈ ¼ of their positions on padding."""
+    rng = random.Random(seed * 1_000_003 + epoch)
     order = list(range(num_rows))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    return tuple(order)
+    rng.shuffle(order)
+    if lengths is None:
+        return tuple(order)
+    window = batch * LENGTH_WINDOW
+    full, partial = [], []
+    for start in range(0, num_rows, window):
+        ranked = sorted(order[start: start + window], key=lengths.__getitem__)
+        for b in range(0, len(ranked), batch):
+            (full if len(ranked[b: b + batch]) == batch else partial).append(ranked[b: b + batch])
+    rng.shuffle(full)
+    return tuple(i for chunk in full + partial for i in chunk)  # a short chunk last keeps batches aligned
 
 
-def micro_batch_rows(step: int, micro: int, cfg, world: int, rank: int, num_rows: int) -> list[int]:
-    """Row indices for one process's micro-batch: a fixed permutation per epoch, so order survives resume."""
+def micro_batch_rows(step: int, micro: int, cfg, world: int, rank: int, num_rows: int,
+                     lengths: tuple[int, ...] | None = None) -> list[int]:
+    """Row indices for one process's micro-batch: a fixed permutation per epoch, so order survives resume.
+    ``lengths`` (``train.group_by_length``) groups rows of similar length into each step's batch."""
     start = (step * cfg.grad_accum + micro) * cfg.batch_size * world
     rows = []
     for offset in range(start + rank, start + cfg.batch_size * world, world):
         epoch, position = divmod(offset, num_rows)
-        rows.append(_epoch_order(cfg.seed, epoch, num_rows)[position])
+        rows.append(_epoch_order(cfg.seed, epoch, num_rows, lengths, cfg.batch_size * world)[position])
     return rows
 
 
@@ -383,6 +402,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
     num_rows = len(rows)
     if num_rows == 0:
         raise ValueError("the training set is empty")
+    lengths = tuple(min(len(ids), tc.seq_len) for ids in rows["input_ids"]) if tc.group_by_length else None
     frequent, vocab_size = None, draft.get_output_embeddings().weight.shape[0]
     if tc.head_vocab:
         frequent, coverage = frequent_tokens(rows, tc.head_vocab)
@@ -451,7 +471,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
             t0 = time.perf_counter()
             micro_batches = []
             for micro in range(tc.grad_accum):
-                batch_rows = [rows[i] for i in micro_batch_rows(step, micro, tc, world, rank, num_rows)]
+                batch_rows = [rows[i] for i in micro_batch_rows(step, micro, tc, world, rank, num_rows, lengths)]
                 if tc.data_mode == "onpolicy" and random.Random(tc.seed * 7919 + step).random() < tc.onpolicy_fraction:
                     batch_rows = sample_onpolicy(base_draft, batch_rows, tokenizer, tc.onpolicy_new_tokens, tc.seq_len)
                 batch = pad_batch(batch_rows, tc.seq_len, tokenizer.pad_token_id)

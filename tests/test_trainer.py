@@ -125,6 +125,39 @@ def test_reduced_head_vocab_trains_resumes_bit_exact_and_keeps_the_full_head(tin
     assert torch.equal(vocab, step_vocab(ids, torch.tensor([3, 7]), 4, 50, seed=1))
 
 
+def test_group_by_length_batches_similar_rows_covers_each_row_once_and_resumes(tiny_pair_dir, conversations,
+                                                                                tmp_path):
+    import random as stdlib_random
+    from types import SimpleNamespace
+
+    from specdistill.trainer import micro_batch_rows
+
+    rng = stdlib_random.Random(0)
+    lengths = tuple(rng.randint(20, 300) for _ in range(203))
+    cfg = SimpleNamespace(batch_size=4, grad_accum=2, seed=0)
+    steps = range(len(lengths) // 8)
+    grouped = [micro_batch_rows(s, m, cfg, 1, 0, len(lengths), lengths) for s in steps for m in range(2)]
+    plain = [micro_batch_rows(s, m, cfg, 1, 0, len(lengths)) for s in steps for m in range(2)]
+    epoch = [i for batch in grouped for i in batch]
+    assert len(set(epoch)) == len(epoch)  # no row twice within the epoch
+
+    def padding(batches):  # padded positions / all positions, as pad_batch pads each batch to its longest row
+        return sum(len(b) * max(lengths[i] for i in b) - sum(lengths[i] for i in b) for b in batches) / sum(
+            len(b) * max(lengths[i] for i in b) for b in batches)
+
+    assert padding(grouped) < 0.25 * padding(plain)
+    # Across two ranks, each rank's share of a step still comes from one length-sorted chunk.
+    ranks = [micro_batch_rows(0, 0, cfg, 2, r, len(lengths), lengths) for r in (0, 1)]
+    assert not set(ranks[0]) & set(ranks[1])
+
+    extra = ("train.group_by_length=true", "train.eval_prompts=0")
+    run(config(tiny_pair_dir, conversations, tmp_path / "full", *extra, "train.save_every=100"))
+    run(config(tiny_pair_dir, conversations, tmp_path / "staged", *extra, "train.stop_at_step=3"))
+    run(config(tiny_pair_dir, conversations, tmp_path / "staged", *extra), resume=True)
+    losses = train_losses(tmp_path / "full")
+    assert losses == train_losses(tmp_path / "staged") and all(math.isfinite(x) for x in losses)
+
+
 def test_nan_is_skipped_counted_then_aborts(tiny_pair_dir, conversations, tmp_path):
     result = run(config(tiny_pair_dir, conversations, tmp_path / "nan", "train.inject_nan_steps=[1,2]",
                         "train.max_steps=4", "train.eval_prompts=0"))
