@@ -22,10 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from specdistill.acceptance import token_acceptance
 from specdistill.config import DistillConfig, load_config, record_run
 from specdistill.data import (
     eos_token_ids,
     generated_dir,
+    generated_to_training,
     load_conversations,
     load_generated,
     sharegpt_prompts,
@@ -33,26 +35,22 @@ from specdistill.data import (
 )
 from specdistill.models import load_model, load_tokenizer
 from specdistill.speculative import target_only_generate_batch
+from specdistill.trainer import logits_at_targets
 
 
-def agreement(draft, target, pairs: list[tuple[list[int], list[int]]]) -> tuple[float, int]:
-    """Share of reply positions where draft and target agree on the argmax, and the number of positions."""
-    agree = total = 0
-    for prompt, reply in pairs:
-        ids = torch.tensor([prompt + reply])
-        with torch.inference_mode():
-            ours = draft(input_ids=ids).logits[0, len(prompt) - 1: -1].argmax(-1)
-            theirs = target(input_ids=ids).logits[0, len(prompt) - 1: -1].argmax(-1)
-        agree += int((ours == theirs).sum())
-        total += len(reply)
-    return agree / max(total, 1), total
+def agreement(draft, rows: list[dict], target_logits: list[torch.Tensor], pad_id: int) -> tuple[float, int]:
+    """Share of the rows' reply positions where the draft's argmax is the target's, and how many positions."""
+    agree = [token_acceptance(p, q, 0.0) for p, q in zip(target_logits, logits_at_targets(draft, rows, pad_id))]
+    total = sum(a.numel() for a in agree)
+    return sum(float(a.sum()) for a in agree) / max(total, 1), total
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/smollm2-135m-quick.yaml")
     parser.add_argument("--draft", action="append", required=True, help="a draft folder (repeatable)")
-    parser.add_argument("--rows", type=int, default=48, help="replies on each side")
+    parser.add_argument("--rows", type=int, default=48,
+                        help="replies on each side (the target's fp32 logits there are kept: ≈ 1 GB per side at 48)")
     parser.add_argument("--max-prompt-tokens", type=int, default=100)
     parser.add_argument("--seed", type=int, default=123, help="shuffles the held-out prompts drawn for unseen replies")
     parser.add_argument("--out", type=Path, default=Path("runs/fit-gap"))
@@ -69,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(cfg.target.path)
     target = load_model(cfg.target.path, "float32").eval()
     generated = load_generated(folder)
-    seen = [(list(generated[i]["prompt_ids"]), list(generated[i]["response_ids"]))
-            for i in range(min(args.rows, len(generated)))]
+    seen = list(generated_to_training(generated.select(range(min(args.rows, len(generated))))))
     _, heldout = split_records(load_conversations(cfg.data), cfg.data.heldout_fraction, cfg.data.seed)
     prompts = []
     for _, messages in sharegpt_prompts(heldout, len(heldout), 4 * args.max_prompt_tokens, seed=args.seed):
@@ -85,12 +82,17 @@ def main(argv: list[str] | None = None) -> int:
     outputs = target_only_generate_batch(target, prompts, cfg.generate.max_new_tokens,
                                          eos_token_id=eos_token_ids(target, tokenizer),
                                          temperature=cfg.generate.temperature, top_p=cfg.generate.top_p, seed=0)
-    unseen = [(p, out.tokens) for p, out in zip(prompts, outputs) if out.tokens]
+    unseen = [{"input_ids": p + out.tokens, "loss_mask": [0] * len(p) + [1] * len(out.tokens)}
+              for p, out in zip(prompts, outputs) if out.tokens]
+    pad_id = tokenizer.pad_token_id
+    # The target's side once, for every draft: one forward per row instead of one per row and draft.
+    seen_target, unseen_target = logits_at_targets(target, seen, pad_id), logits_at_targets(target, unseen, pad_id)
 
     results = {}
     for path in args.draft:
         draft = load_model(path, "float32").eval()
-        (on_seen, n_seen), (on_unseen, n_unseen) = agreement(draft, target, seen), agreement(draft, target, unseen)
+        on_seen, n_seen = agreement(draft, seen, seen_target, pad_id)
+        on_unseen, n_unseen = agreement(draft, unseen, unseen_target, pad_id)
         results[path] = {"trained_replies": on_seen, "trained_positions": n_seen,
                          "unseen_replies": on_unseen, "unseen_positions": n_unseen}
         print(f"{path}: greedy agreement {on_seen:.3f} on {len(seen)} trained replies ({n_seen:,} positions), "

@@ -27,7 +27,15 @@ from specdistill.config import DistillConfig, load_config, record_run
 from specdistill.data import generated_dir, generated_to_teacher_rows, load_generated
 from specdistill.losses import distill_loss
 from specdistill.models import build_draft, load_model, load_tokenizer
-from specdistill.trainer import DraftLoss, frequent_tokens, micro_batch_rows, pad_batch, step_vocab, stored_teacher
+from specdistill.trainer import (
+    DraftLoss,
+    frequent_tokens,
+    micro_batch_rows,
+    pad_batch,
+    row_lengths,
+    step_vocab,
+    stored_teacher,
+)
 
 PHASES = ("collate", "body_forward", "head_loss_forward", "backward", "optimizer")
 
@@ -66,7 +74,7 @@ def main() -> int:
     report = {"config": args.config, "overrides": args.overrides, "steps": args.steps, "rows": len(rows),
               "batch_size": tc.batch_size, "bf16": tc.bf16, "results": []}
     pad_id = load_tokenizer(cfg.target.path).pad_token_id
-    lengths = tuple(min(len(ids), tc.seq_len) for ids in rows["input_ids"]) if tc.group_by_length else None
+    lengths = row_lengths(rows, tc)
     for vocab in vocabs:
         frequent = frequent_tokens(rows, vocab)[0] if vocab else None
         times = {phase: [] for phase in PHASES}

@@ -146,6 +146,11 @@ def _epoch_order(seed: int, epoch: int, num_rows: int, lengths: tuple[int, ...] 
     return tuple(i for chunk in full + partial for i in chunk)  # a short chunk last keeps batches aligned
 
 
+def row_lengths(rows, cfg) -> tuple[int, ...] | None:
+    """What ``micro_batch_rows`` groups by under ``train.group_by_length``: each row's length as padded (≤ seq_len)."""
+    return tuple(min(len(ids), cfg.seq_len) for ids in rows["input_ids"]) if cfg.group_by_length else None
+
+
 def micro_batch_rows(step: int, micro: int, cfg, world: int, rank: int, num_rows: int,
                      lengths: tuple[int, ...] | None = None) -> list[int]:
     """Row indices for one process's micro-batch: a fixed permutation per epoch, so order survives resume.
@@ -402,7 +407,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
     num_rows = len(rows)
     if num_rows == 0:
         raise ValueError("the training set is empty")
-    lengths = tuple(min(len(ids), tc.seq_len) for ids in rows["input_ids"]) if tc.group_by_length else None
+    lengths = row_lengths(rows, tc)
     frequent, vocab_size = None, draft.get_output_embeddings().weight.shape[0]
     if tc.head_vocab:
         frequent, coverage = frequent_tokens(rows, tc.head_vocab)
