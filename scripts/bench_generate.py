@@ -22,12 +22,20 @@ of ``kernels.MID_ROWS``, the row counts at which a mid-sized weight takes ``W @ 
 
     python scripts/bench_generate.py --compare-batches 32 --compare-mid-rows "2-4;2-4,16-64" --prompts 128 \
         --eos --max-new-tokens 128 --repeats 2
+
+``--compare-active-rows`` does it at one batch size for each ``generate.max_active_rows`` (0: one batch at a
+time; else batches join a running pool of up to that many rows as finished rows leave), as
+``data.generate_responses`` streams them:
+
+    python scripts/bench_generate.py --compare-batches 32 --compare-active-rows 0,64,128 --prompts 256 \
+        --eos --max-new-tokens 128 --repeats 1
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -42,7 +50,7 @@ from specdistill.config import record_run
 from specdistill.data import eos_token_ids, load_sharegpt, sharegpt_prompts
 from specdistill.models import load_model, load_tokenizer
 from specdistill.precision import resolve_dtype
-from specdistill.speculative import target_only_generate_batch
+from specdistill.speculative import target_generate_stream, target_only_generate_batch
 
 
 def main() -> int:
@@ -69,6 +77,9 @@ def main() -> int:
     parser.add_argument("--compare-mid-rows", default="",
                         help="--compare-batches: kernels.MID_ROWS rules to time at its first batch size, e.g. "
                              "'2-4;2-4,16-64'")
+    parser.add_argument("--compare-active-rows", default="",
+                        help="--compare-batches: generate.max_active_rows values to time at its first batch size, "
+                             "e.g. '0,64,128'")
     parser.add_argument("--out", default=None, help="folder for bench_generate.json")
     args = parser.parse_args()
     args.dtype = resolve_dtype(args.dtype)  # the report names the dtype that ran
@@ -144,11 +155,15 @@ def parse_rows(spec: str) -> frozenset[int]:
 def compare_batches(args) -> int:
     sizes = [int(b) for b in args.compare_batches.split(",")]
     rules = [r.strip() for r in args.compare_mid_rows.split(";") if r.strip()]
-    # (label, batch size, kernels.MID_ROWS while it runs)
+    active = [int(a) for a in args.compare_active_rows.split(",") if a.strip()]
+    # (label, batch size, kernels.MID_ROWS while it runs, max_active_rows)
     if rules:
-        variants = [(f"batch {sizes[0]}, mid rows {rule}", sizes[0], parse_rows(rule)) for rule in rules]
+        variants = [(f"batch {sizes[0]}, mid rows {rule}", sizes[0], parse_rows(rule), 0) for rule in rules]
+    elif active:
+        variants = [(f"batch {sizes[0]}, active rows {rows or sizes[0]}", sizes[0], kernels.MID_ROWS, rows)
+                    for rows in active]
     else:
-        variants = [(f"batch {size}", size, kernels.MID_ROWS) for size in sizes]
+        variants = [(f"batch {size}", size, kernels.MID_ROWS, 0) for size in sizes]
     tokenizer = load_tokenizer(args.target)
     model = load_model(args.target, args.dtype)
     prompts = load_prompts(tokenizer, args.prompts or max(sizes), args.max_prompt_tokens)
@@ -157,17 +172,18 @@ def compare_batches(args) -> int:
     # Warm-up, so the first variant timed does not pay for the first call's one-off costs.
     target_only_generate_batch(model, prompts[: min(sizes)], 4, eos_token_id=None, seed=0,
                                temperature=args.temperature, top_p=args.top_p, record_top_k=args.record_top_k)
-    rates = {label: [] for label, _, _ in variants}
+    rates = {label: [] for label, *_ in variants}
     default_rows = kernels.MID_ROWS
     try:
         for _ in range(args.repeats):  # interleaved, so drift hits all variants alike
-            for label, size, mid_rows in variants:
+            for label, size, mid_rows, active_rows in variants:
                 kernels.MID_ROWS = mid_rows
                 start, made = time.perf_counter(), 0
-                for i in range(0, len(prompts), size):
-                    outputs = target_only_generate_batch(model, prompts[i: i + size], new, eos_token_id=eos,
-                                                         seed=i, temperature=args.temperature, top_p=args.top_p,
-                                                         record_top_k=args.record_top_k)
+                batches = [(i, prompts[i: i + size]) for i in range(0, len(prompts), size)]
+                random.Random(0).shuffle(batches)  # as data.generate_responses orders them
+                for _, outputs in target_generate_stream(model, batches, max(active_rows, size), new,
+                                                         eos_token_id=eos, temperature=args.temperature,
+                                                         top_p=args.top_p, record_top_k=args.record_top_k):
                     made += sum(len(out.tokens) for out in outputs)
                 rates[label].append(made / (time.perf_counter() - start))
     finally:

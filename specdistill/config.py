@@ -91,7 +91,10 @@ class GenerateConfig:
     num_prompts: int = 64
     max_prompt_tokens: int = 256
     max_new_tokens: int = 128
-    batch_size: int = 16
+    batch_size: int = 16  # prompts per batch (one shard), similar in length
+    # Rows decoded together: a new batch joins as finished rows leave (0 = one batch at a time). The setting
+    # does not change what is sampled, so it is not part of the cache key.
+    max_active_rows: int = 0
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
@@ -115,6 +118,7 @@ class GenerateConfig:
         _check(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
         _check(self.max_prompt_tokens >= 1, "generate.max_prompt_tokens", "must be >= 1")
         _check(self.batch_size >= 1, "generate.batch_size", "must be >= 1")
+        _check(self.max_active_rows >= 0, "generate.max_active_rows", "must be >= 0 (0 = one batch at a time)")
         _check(self.temperature >= 0.0, "generate.temperature", "must be >= 0")
         _check(0.0 < self.top_p <= 1.0, "generate.top_p", "must be in (0, 1]")
 

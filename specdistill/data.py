@@ -332,15 +332,15 @@ def load_generated(out_dir: str | Path) -> datasets.Dataset:
 
 
 # Names the loop that wrote a generated set: caches from another loop (HF generate before) sample differently.
-GENERATOR = "specdistill.target_only_generate_batch/1"
+GENERATOR = "specdistill.target_generate_stream/1"
 GENERATOR_TAG = hashlib.sha256(GENERATOR.encode()).hexdigest()[:6]  # for cache folder names
 
 
 def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], out_dir: str | Path,
                        max_prompt_tokens: int, max_new_tokens: int, batch_size: int, temperature: float = 0.0,
                        top_p: float = 1.0, seed: int = 0, max_batches: int | None = None,
-                       teacher_top_k: int = 0, max_minutes: float = 0.0, prompt_teacher: bool = False
-                       ) -> datasets.Dataset:
+                       teacher_top_k: int = 0, max_minutes: float = 0.0, prompt_teacher: bool = False,
+                       max_active_rows: int = 0) -> datasets.Dataset:
     """Generate the target's own replies to ``prompts`` (``(id, messages)``) into Arrow shards.
 
     ``teacher_top_k`` > 0 also stores, per reply token, the target's top-k log-probs (T=1) from the very
@@ -348,9 +348,12 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
     ``prompt_teacher`` also stores it at the prompt's positions (``prompt_topk_*``, for ``train.prompt_loss``):
     the prefill computed them anyway, only its LM head runs on every position instead of the last.
 
-    Each finished batch is one shard, written atomically, so a killed run resumes and redoes at most
-    the batch in flight. Prompts are sorted by length (less padding); a shard's seed depends only on its
-    index, so a resumed run samples exactly what an uninterrupted one would.
+    Prompts are sorted by length (less padding) and cut into batches of ``batch_size``; up to
+    ``max_active_rows`` rows (0: one batch) decode together, a new batch joining as finished rows leave
+    (``speculative.target_generate_stream``). Each finished batch is one shard, written atomically, so a killed
+    run resumes and redoes only the batches in flight. Each row samples with its own seed (from the shard's
+    index and its row), so a resumed run draws what an uninterrupted one would, up to float rounding of the
+    rows it shares the pool with.
 
     Batches run in a seeded random order, so the progress bar's ETA is honest and ``max_minutes`` (> 0: the
     set's generation budget, summed over every call that wrote into the folder, so a resumed or repeated call
@@ -361,7 +364,7 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
     import torch
     from tqdm.auto import tqdm
 
-    from .speculative import target_only_generate_batch
+    from . import speculative
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -405,22 +408,25 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
     spent_before = json.loads(spent_path.read_text())["seconds"] if spent_path.is_file() else 0.0
     todo = [i for i in range(len(batches)) if i not in done]
     random.Random(seed).shuffle(todo)  # the order only: each shard's content depends on its index alone
-    bar = tqdm(todo, desc="target generation", unit="batch", initial=0, total=len(todo))
-    generated_tokens, started = 0, time.perf_counter()  # this run's, so a resumed run shows its own rate
-    for position, index in enumerate(bar):
-        have = len(done) + position
-        if have and max_minutes and spent_before + time.perf_counter() - started > max_minutes * 60:
-            bar.close()
-            warnings.warn(f"generate.max_minutes={max_minutes:g}: the set's generation budget is spent with {have} of "
-                          f"{len(batches)} batches; training uses those. A run with a larger generate.max_minutes "
-                          f"(0 = no limit) generates the other {len(batches) - have} into {out_dir}", stacklevel=2)
-            break
+    bar = tqdm(total=len(todo), desc="target generation", unit="batch")
+    started = time.perf_counter()
+    admitted = []
+
+    def admit():
+        """Batches in ``todo`` order until the budget is spent (a batch already started still finishes)."""
+        for index in todo:
+            have = len(done) + len(admitted)
+            if have and max_minutes and spent_before + time.perf_counter() - started > max_minutes * 60:
+                return
+            admitted.append(index)
+            yield index, [ids for _, ids in batches[index]]
+
+    generated_tokens = 0  # this run's, so a resumed run shows its own rate
+    stream = speculative.target_generate_stream(
+        model, admit(), max(max_active_rows, batch_size), max_new_tokens, eos_ids, temperature=temperature,
+        top_p=top_p, seed=seed, record_top_k=teacher_top_k, record_prompt=prompt_teacher)
+    for index, outputs in stream:
         batch = batches[index]
-        # A shard's seed depends only on its index, so a resumed run samples what an uninterrupted one would.
-        outputs = target_only_generate_batch(model, [ids for _, ids in batch], max_new_tokens, eos_ids,
-                                             temperature=temperature, top_p=top_p,
-                                             seed=seed * 1_000_003 + index, record_top_k=teacher_top_k,
-                                             record_prompt=prompt_teacher)
         rows = [{"prompt_id": prompt_id, "prompt_ids": ids, "response_ids": out.tokens,
                  "finished": bool(out.tokens) and out.tokens[-1] in eos_ids}
                 for (prompt_id, ids), out in zip(batch, outputs)]
@@ -443,7 +449,14 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
         (out_dir / ".tmp-seconds.json").write_text(json.dumps({"seconds": spent}))
         (out_dir / ".tmp-seconds.json").replace(spent_path)  # atomic: a kill never leaves half a number
         generated_tokens += sum(len(r["response_ids"]) for r in rows)
+        bar.update(1)
         bar.set_postfix(reply_tokens=generated_tokens, tok_s=f"{generated_tokens / (time.perf_counter() - started):.0f}")
+    bar.close()
+    if len(admitted) < len(todo):
+        have = len(done) + len(admitted)
+        warnings.warn(f"generate.max_minutes={max_minutes:g}: the set's generation budget is spent with {have} of "
+                      f"{len(batches)} batches; training uses those. A run with a larger generate.max_minutes "
+                      f"(0 = no limit) generates the other {len(batches) - have} into {out_dir}", stacklevel=2)
     return load_generated(out_dir)
 
 
@@ -545,7 +558,7 @@ def target_generated_dataset(model, tokenizer, target_path: str, data, gen, reco
                               max_prompt_tokens=gen.max_prompt_tokens, max_new_tokens=gen.max_new_tokens,
                               batch_size=gen.batch_size, temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed,
                               teacher_top_k=gen.teacher_top_k, max_minutes=gen.max_minutes,
-                              prompt_teacher=gen.prompt_teacher)
+                              prompt_teacher=gen.prompt_teacher, max_active_rows=gen.max_active_rows)
 
 
 def load_conversations(data) -> list[dict]:

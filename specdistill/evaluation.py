@@ -67,7 +67,8 @@ def continuation_set(target, tokenizer, target_name: str, prompts, max_new_token
     ids = hashlib.sha256("\n".join(p[0] for p in prompts).encode()).hexdigest()[:12]  # str hash() is salted
     key = f"{Path(target_name).name}-{len(prompts)}-{ids}-{max_new_tokens}-{dtype}-{GENERATOR_TAG}"
     ds = generate_responses(target, tokenizer, [(pid, m) for pid, _, m in prompts], cache_dir() / "eval" / key,
-                            max_prompt_tokens=1024, max_new_tokens=max_new_tokens, batch_size=8)
+                            max_prompt_tokens=1024, max_new_tokens=max_new_tokens, batch_size=8,
+                            max_active_rows=64)
     category = {pid: cat for pid, cat, _ in prompts}
     rows = [{"input_ids": r["prompt_ids"] + r["response_ids"],
              "loss_mask": [0] * len(r["prompt_ids"]) + [1] * len(r["response_ids"]),

@@ -252,7 +252,7 @@ def eval_set(target, tokenizer, cfg: DistillConfig) -> dict | None:
                          max_prompt_tokens=384)
     key = f"{Path(cfg.target.path).name}-mtbench{n}-{gen.max_new_tokens}-{cfg.target.dtype}-L{gen.max_prompt_tokens}-{GENERATOR_TAG}"
     ds = generate_responses(target, tokenizer, prompts, cache_dir() / "eval" / key, gen.max_prompt_tokens,
-                            gen.max_new_tokens, gen.batch_size)
+                            gen.max_new_tokens, gen.batch_size, max_active_rows=64)
     rows = list(generated_to_training(ds))
     return {"rows": rows, "pad_id": tokenizer.pad_token_id,
             "target_logits": logits_at_targets(target, rows, tokenizer.pad_token_id, dtype=torch.bfloat16)}

@@ -139,20 +139,19 @@ def test_generation_resumes_without_duplicates_or_gaps(tmp_path, tiny_tokenizer,
     kwargs = {"max_prompt_tokens": 64, "max_new_tokens": 6, "batch_size": 3, "temperature": 1.0, "seed": 7}
     reference = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "ref", **kwargs)
 
-    calls = {"n": 0}
-    original = speculative.target_only_generate_batch
+    original = speculative.target_generate_stream
 
-    def dying_generate(*args, **kw):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise Interrupt("killed")
-        return original(*args, **kw)
+    def dying_generate(*args, **kw):  # killed after two batches were written, others in flight
+        for done, item in enumerate(original(*args, **kw)):
+            if done == 2:
+                raise Interrupt("killed")
+            yield item
 
-    monkeypatch.setattr(speculative, "target_only_generate_batch", dying_generate)
+    monkeypatch.setattr(speculative, "target_generate_stream", dying_generate)
     with pytest.raises(Interrupt):
         generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "run", **kwargs)
     assert len(list((tmp_path / "run").glob("shard-*"))) == 2  # two complete batches survived
-    monkeypatch.setattr(speculative, "target_only_generate_batch", original)
+    monkeypatch.setattr(speculative, "target_generate_stream", original)
     resumed = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "run", **kwargs)
     ids = sorted(resumed["prompt_id"])
     assert ids == sorted(p[0] for p in prompts)

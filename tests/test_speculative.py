@@ -4,12 +4,14 @@ import pytest
 import torch
 from conftest import make_llama
 
+from specdistill import speculative
 from specdistill.speculative import (
     SamplingParams,
     SpeculativeGenerator,
     _CachedModel,
     nucleus,
     sample_tokens,
+    target_generate_stream,
     target_only_generate,
     target_only_generate_batch,
     verify,
@@ -165,6 +167,42 @@ def test_batched_greedy_identical_to_per_row_target_only(pair, gamma, schedule):
     assert [o.tokens for o in batched_baseline] == refs
     for o in outs:
         assert o.stats["new_tokens"] == len(o.tokens) and o.stats["tau"] >= 1.0
+
+
+@pytest.mark.parametrize("sampling, eos", [({"temperature": 0.0}, 13), ({"temperature": 0.8, "top_p": 0.9}, 3)])
+def test_stream_pool_equals_each_batch_alone(pair, monkeypatch, sampling, eos):
+    """Batches that join a running pool (absorbed caches of other widths, rows leaving at EOS, holes, compaction)
+    sample what each batch samples alone, with the same recorded teacher: per-row seeds and masks make the pool
+    invisible. Greedy tokens also equal the one-prompt loop's."""
+    target, _ = pair
+    monkeypatch.setattr(speculative, "POOL_SPARE_SLOTS", 3)  # compact often
+    g = torch.Generator().manual_seed(11)
+    batches = [(i, [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths])
+               for i, lengths in enumerate([(3, 9), (1, 5, 12), (7,), (2, 2), (4, 6)])]
+    kwargs = {"max_new_tokens": 24, "eos_token_id": eos, "seed": 5, "record_top_k": 4, "record_prompt": True,
+              **sampling}
+    compactions = []
+    absorb = speculative._CachedModel.absorb
+
+    def counting_absorb(self, other):
+        compactions.append(self)
+        absorb(self, other)
+
+    monkeypatch.setattr(speculative._CachedModel, "absorb", counting_absorb)
+    pooled = dict(target_generate_stream(target, iter(batches), max_active_rows=4, **kwargs))
+    assert compactions and max(m.compactions for m in compactions) > 0  # joins and compaction both happened
+    alone = dict(target_generate_stream(target, iter(batches), max_active_rows=1, **kwargs))
+    assert sorted(pooled) == sorted(alone) == list(range(len(batches)))
+    lengths = set()
+    for index, prompts in batches:
+        for row, (a, b) in enumerate(zip(pooled[index], alone[index])):
+            assert a.tokens == b.tokens, (index, row)
+            lengths.add(len(a.tokens))
+            for (ids_a, lp_a), (ids_b, lp_b) in zip(a.teacher + a.prompt_teacher, b.teacher + b.prompt_teacher):
+                assert torch.equal(ids_a, ids_b) and torch.allclose(lp_a, lp_b, atol=1e-5)
+            if not sampling["temperature"]:
+                assert a.tokens == target_only_generate(target, prompts[row], 24, eos_token_id=eos).tokens
+    assert len(lengths) > 1  # rows left the pool at different steps
 
 
 @pytest.mark.parametrize("decoder, params", [("speculative", SamplingParams(0.9, top_k=8)),
