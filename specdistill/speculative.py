@@ -575,9 +575,9 @@ def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]
     """``target_only_generate_batch`` over a stream of prompt batches, decoding up to ``max_active_rows`` rows
     together: yields ``(index, outputs)`` as each batch's last row finishes.
 
-    Rows leave at EOS and the next batch (``batches`` is pulled lazily, so its producer can stop on a time
-    budget) is prefilled in its own cache and joins the running one (``_CachedModel.absorb``) once there is room
-    for all its rows. A 2-core CPU's matmuls run ≈ 2× faster per row at 128 rows than at 32
+    Rows leave at EOS and the next batch is pulled from ``batches`` once a batch as large as the largest so far
+    fits (only then, so a producer that stops on a time budget starts nothing after it); it is prefilled in its
+    own cache and joins the running one (``_CachedModel.absorb``). A 2-core CPU's matmuls run ≈ 2× faster per row at 128 rows than at 32
     (``scripts/bench_generate.py``), and a fixed batch shrinks as its rows finish. Row ``r`` of batch
     ``index`` samples with its own generator, seeded from ``(seed, index, r)``: what it draws does not depend
     on the rows it shares the pool with, only float rounding of the batch shape can differ.
@@ -588,7 +588,7 @@ def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]
     if max_active_rows < 1:
         raise ValueError("max_active_rows must be >= 1")
     source = iter(batches)
-    waiting = next(source, None)
+    widest = 0  # rows in the largest batch so far: a batch is pulled only when one that size would fit
     pool: _CachedModel | None = None
     last: torch.Tensor | None = None
     rows: list[tuple[int, int]] = []  # (batch index, row in batch) per pool row
@@ -597,9 +597,16 @@ def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]
     unfinished: dict[int, int] = {}
     eos = set()
     stops: list[list[int]] = []
-    while waiting is not None or rows:
-        while waiting is not None and (not rows or len(rows) + len(waiting[1]) <= max_active_rows):
-            index, prompts = waiting
+    exhausted = False
+    while True:
+        # Pulled only when it can start now, so a producer that stops on a time budget starts nothing after it.
+        while not exhausted and (not rows or len(rows) + widest <= max_active_rows):
+            pulled = next(source, None)
+            if pulled is None:
+                exhausted = True
+                break
+            index, prompts = pulled
+            widest = max(widest, len(prompts))
             eos, stops = _stop_rule(prompts, eos_token_id, None)
             joining = _CachedModel(target.eval(), len(prompts))
             outputs[index] = [GenerationOutput([], {"target_calls": 0}) for _ in prompts]
@@ -617,7 +624,8 @@ def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]
             rows += [(index, r) for r in range(len(prompts))]
             generators += [torch.Generator().manual_seed((seed * 1_000_003 + index) * 65_537 + r)
                            for r in range(len(prompts))]
-            waiting = next(source, None)
+        if not rows:
+            return
         if record_top_k:
             top_ids, top_logp = teacher_topk(last, record_top_k)
             for s, (index, r) in enumerate(rows):

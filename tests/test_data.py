@@ -184,6 +184,16 @@ def test_generation_time_limit_keeps_a_partial_set_that_a_later_run_completes(tm
     with pytest.raises(ConfigError, match="generate.max_minutes"):
         GenerateConfig(max_minutes=-1)
 
+    # A pool of 9 rows (three batches at once) starts nothing after the budget either, and samples the same rows.
+    with pytest.warns(UserWarning, match="budget is spent with 1 of 4 batches"):
+        pooled = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "pool", max_minutes=1e-9,
+                                    max_active_rows=9, **kwargs)
+    assert set(rows(pooled)) < set(rows(reference))
+    pooled = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "pool", max_active_rows=9, **kwargs)
+    assert rows(pooled) == rows(reference)
+    with pytest.raises(ConfigError, match="generate.max_active_rows"):
+        GenerateConfig(max_active_rows=-1)
+
 
 def test_generation_stores_the_teacher_it_sampled_from(tmp_path, tiny_tokenizer, tiny_target):
     """generate.teacher_top_k: the stored top-k is the target's full-forward top-k at each loss position."""

@@ -169,7 +169,7 @@ def test_batched_greedy_identical_to_per_row_target_only(pair, gamma, schedule):
         assert o.stats["new_tokens"] == len(o.tokens) and o.stats["tau"] >= 1.0
 
 
-@pytest.mark.parametrize("sampling, eos", [({"temperature": 0.0}, 13), ({"temperature": 0.8, "top_p": 0.9}, 3)])
+@pytest.mark.parametrize("sampling, eos", [({"temperature": 0.0}, 8), ({"temperature": 0.8, "top_p": 0.9}, 3)])
 def test_stream_pool_equals_each_batch_alone(pair, monkeypatch, sampling, eos):
     """Batches that join a running pool (absorbed caches of other widths, rows leaving at EOS, holes, compaction)
     sample what each batch samples alone, with the same recorded teacher: per-row seeds and masks make the pool
@@ -178,7 +178,7 @@ def test_stream_pool_equals_each_batch_alone(pair, monkeypatch, sampling, eos):
     monkeypatch.setattr(speculative, "POOL_SPARE_SLOTS", 3)  # compact often
     g = torch.Generator().manual_seed(11)
     batches = [(i, [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths])
-               for i, lengths in enumerate([(3, 9), (1, 5, 12), (7,), (2, 2), (4, 6)])]
+               for i, lengths in enumerate([(3, 9), (12,), (1, 5), (7,), (2, 2), (4, 6)])]
     kwargs = {"max_new_tokens": 24, "eos_token_id": eos, "seed": 5, "record_top_k": 4, "record_prompt": True,
               **sampling}
     compactions = []
