@@ -179,7 +179,8 @@ class GrowingLayer(DynamicLayer):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        length, end = self.get_seq_length(), self.get_seq_length() + key_states.shape[-2]
+        length = self.get_seq_length()
+        end = length + key_states.shape[-2]
         if not (self._is_prefix_of(self.keys, self.key_buffer) and self._is_prefix_of(self.values, self.value_buffer)
                 and end <= self.key_buffer.shape[-2]):
             capacity = end + max(self.HEADROOM, end // 4)
