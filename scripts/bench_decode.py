@@ -4,7 +4,10 @@
 
 Rows: HF generate (target only), our target-only loop, HF generate(assistant_model=draft) (batch 1 only),
 ours greedy with each draft-length schedule, ours T=1. Greedy rows are checked token for token against our
-target-only loop. ``--batch 8`` decodes 8 prompts together (per-row acceptance).
+target-only loop. ``--batch 8`` decodes 8 prompts together (per-row acceptance). A draft with a
+``draft_vocab.json`` runs our rows with its reduced head (``models.ReducedHeadDraft``); one more greedy row runs
+it with the full head, side by side (``--full-draft-vocab``: full head everywhere). HF assisted always gets the
+plain draft.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specdistill.config import record_run
 from specdistill.data import load_mtbench
-from specdistill.models import load_model, load_tokenizer
+from specdistill.models import ReducedHeadDraft, load_draft, load_model, load_tokenizer, unwrap_draft
 from specdistill.speculative import SpeculativeGenerator, target_only_generate_batch
 
 
@@ -36,12 +39,14 @@ def main() -> int:
     parser.add_argument("--gamma", type=int, default=5)
     parser.add_argument("--batch", type=int, default=1, help="rows decoded together (HF assisted needs 1)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--full-draft-vocab", action="store_true", help="ignore the draft's draft_vocab.json")
     parser.add_argument("--out", default=None, help="folder for bench.json / bench.md (scripts/results.py reads it)")
     args = parser.parse_args()
 
     tokenizer = load_tokenizer(args.target)
     target = load_model(args.target, args.dtype)
-    draft = load_model(args.draft, args.dtype)
+    draft = load_draft(args.draft, args.dtype, args.full_draft_vocab)
+    reduced = isinstance(draft, ReducedHeadDraft)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False) for q in load_mtbench()[: args.prompts]]
     groups = [prompts[i: i + args.batch] for i in range(0, len(prompts), args.batch)]
@@ -78,9 +83,14 @@ def main() -> int:
         "ours target-only": timed(lambda g: target_only_generate_batch(target, g, new, eos)),
     }
     if args.batch == 1:  # transformers' assisted generation only supports one row
-        methods[f"HF assisted (γ={args.gamma})"] = lambda g: hf(g, draft)
+        methods[f"HF assisted (γ={args.gamma})"] = lambda g: hf(g, unwrap_draft(draft))
+    head = f", draft head of {draft.token_ids.numel():,} tokens" if reduced else ""
+    methods[f"ours speculative greedy (γ={args.gamma}){head}"] = timed(lambda g: gen.generate_batch(g, new, eos))
+    if reduced:
+        full = SpeculativeGenerator(target, unwrap_draft(draft), gamma=args.gamma)
+        methods[f"ours speculative greedy (γ={args.gamma}), full draft head"] = timed(
+            lambda g: full.generate_batch(g, new, eos))
     methods.update({
-        f"ours speculative greedy (γ={args.gamma})": timed(lambda g: gen.generate_batch(g, new, eos)),
         f"ours speculative greedy, heuristic schedule (γ₀={args.gamma})":
             timed(lambda g: heuristic.generate_batch(g, new, eos)),
         f"ours speculative greedy, confidence stop 0.4 (γ≤{args.gamma})":

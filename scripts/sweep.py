@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specdistill import evaluation
 from specdistill.config import DistillConfig, load_config, record_run
-from specdistill.models import load_model, load_tokenizer
+from specdistill.models import load_draft, load_model, load_tokenizer
 from specdistill.speculative import SpeculativeGenerator, target_only_generate
 from specdistill.trainer import run as train_run
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         todo = [g for g in gammas if f"{tag}/{g}" not in state["measured"]]
         if not todo:
             continue
-        draft = load_model(path, dtype)
+        draft = load_draft(path, dtype)
         if references is None:  # target-only runs once per prompt, next to the first cells measured
             references = [target_only_generate(target, p, args.measure_tokens, eos) for p in prompts]
         for g in todo:

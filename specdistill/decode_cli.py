@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from .models import check_pair, load_model, load_tokenizer
+from .models import check_pair, load_draft, load_model, load_tokenizer
 from .speculative import SamplingParams, SpeculativeGenerator, target_only_generate
 
 
@@ -34,13 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="float32 is exact; in bfloat16 the target's own argmax can flip between a multi-token "
                              "verify and 1-token steps, so greedy identity is not guaranteed (docs/results.md)")
+    parser.add_argument("--full-draft-vocab", action="store_true",
+                        help="decode with the draft's full LM head, ignoring its draft_vocab.json")
     parser.add_argument("--compare", action="store_true", help="also run target-only decoding and report the ratio")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     tokenizer = load_tokenizer(args.target)
     target = load_model(args.target, args.dtype)
-    draft = load_model(args.draft, args.dtype)
+    draft = load_draft(args.draft, args.dtype, args.full_draft_vocab)
     check_pair(tokenizer, load_tokenizer(args.draft), target.config, draft.config)
     if args.raw:
         prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]

@@ -18,7 +18,7 @@ from . import evaluation
 from .config import ConfigError, DemoConfig, DistillConfig, cli_args, load_config, record_run
 from .data import load_mtbench, target_generated_dataset
 from .export import export
-from .models import build_draft, load_model, load_tokenizer
+from .models import build_draft, load_draft, load_model, load_tokenizer
 from .speculative import SpeculativeGenerator, target_only_generate
 from .trainer import eval_set
 from .trainer import run as distill_run
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"== 3/4 speculative decode of an MT-bench prompt (γ={best}, greedy, fp32)")
     target = load_model(dcfg.target.path, "float32")
-    draft = load_model(str(draft_dir), "float32")
+    draft = load_draft(str(draft_dir), "float32")
     question = load_mtbench()[cfg.question_index]
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": question["turns"][0]}],
                                            add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -32,7 +32,7 @@ from .acceptance import (
 from .assets import cache_dir
 from .config import DraftConfig, record_run
 from .data import GENERATOR_TAG, generate_responses, load_mtbench, load_sharegpt, sharegpt_prompts, split_records
-from .models import build_draft, check_pair, load_model, load_tokenizer, size_report
+from .models import ReducedHeadDraft, build_draft, check_pair, load_draft, load_model, load_tokenizer, size_report
 from .trainer import logits_at_targets
 
 
@@ -210,8 +210,11 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def resolve_draft(spec: str, target):
-    """A draft folder, or ``init:<fresh|layers=0,29>`` for a draft built from the target without training."""
+def resolve_draft(spec: str, target, full_vocab: bool = False):
+    """A draft folder, or ``init:<fresh|layers=0,29>`` for a draft built from the target without training.
+
+    A folder's draft is measured as our decoder runs it: with its reduced head when it has a
+    ``draft_vocab.json`` (``models.load_draft``), unless ``full_vocab``."""
     if spec.startswith("init:"):
         what = spec[5:]
         if what == "fresh":
@@ -221,7 +224,7 @@ def resolve_draft(spec: str, target):
         else:
             raise ValueError(f"unknown draft spec '{spec}' (use a folder, init:fresh or init:layers=0,29)")
         return build_draft(target, cfg).eval(), None
-    return load_model(spec, "float32"), load_tokenizer(spec)
+    return load_draft(spec, "float32", full_vocab), load_tokenizer(spec)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gamma", default="1..8")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--output-dir", default="runs/eval")
+    parser.add_argument("--full-draft-vocab", action="store_true",
+                        help="measure drafts with their full LM head, ignoring a draft_vocab.json")
     args = parser.parse_args(argv)
     temperatures = [float(t) if float(t) != int(float(t)) else int(float(t)) for t in args.temperatures.split(",")]
     gammas = parse_gammas(args.gamma)
@@ -262,13 +267,15 @@ def main(argv: list[str] | None = None) -> int:
               "gammas": gammas, "target_step_s": target_step, "verify_cost": verify, "drafts": {}}
     for i, spec in enumerate(args.draft):
         name = names[i] if i < len(names) else Path(spec).name if not spec.startswith("init:") else spec
-        draft, draft_tokenizer = resolve_draft(spec, target)
+        draft, draft_tokenizer = resolve_draft(spec, target, args.full_draft_vocab)
         check_pair(tokenizer, draft_tokenizer or tokenizer, target.config, draft.config)
         if args.dtype == "bfloat16":
             draft = draft.to(torch.bfloat16)
         draft_logits = logits_at_targets(draft, rows, tokenizer.pad_token_id)
         result = evaluate_draft(target_logits, draft_logits, categories, temperatures, gammas)
         result["sizes"] = size_report(draft, target)
+        # Tokens the draft's decoding head computes (None: all of them), as c and α here were measured.
+        result["draft_vocab"] = draft.token_ids.numel() if isinstance(draft, ReducedHeadDraft) else None
         result["draft_step_s"], result["cost_ratio"] = paired_cost_ratio(draft, target)
         c = result["cost_ratio"]
         result["expected_speedup"] = {f"{t}/{g}": expected_speedup(result["tau"][f"{t}/{g}"], g, c, verify[g])

@@ -20,7 +20,7 @@ import torch
 
 from .assets import atomic_write_dir, resolve_model_path
 from .config import git_sha, package_versions
-from .models import count_params, load_model, load_tokenizer, size_report
+from .models import DRAFT_VOCAB_FILE, count_params, load_model, load_tokenizer, size_report
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "tokenizer.model")
@@ -124,6 +124,8 @@ def export(draft_path: str, target_path: str, out: str | Path, eval_metrics: str
             if (target_dir / name).is_file():
                 shutil.copy2(target_dir / name, tmp / name)
         (tmp / "specdistill.json").write_text(json.dumps(meta, indent=2, default=str))
+        if (Path(draft_path) / DRAFT_VOCAB_FILE).is_file():  # our decoder's reduced head; engines ignore the file
+            shutil.copy2(Path(draft_path) / DRAFT_VOCAB_FILE, tmp / DRAFT_VOCAB_FILE)
         (tmp / "README.md").write_text(model_card(meta))
         reloaded = load_model(str(tmp), "float32")
         with torch.no_grad():

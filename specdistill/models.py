@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -39,6 +40,77 @@ def load_model(path: str, dtype: str = "float32", trainable: bool = False):
     return model
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # written next to a trained draft: the tokens its decoding head keeps
+DRAFT_VOCAB_SIZE = 16384  # the most frequent reply tokens; 95.5 % of reply tokens (docs/results.md)
+
+
+class ReducedHeadDraft(nn.Module):
+    """A draft whose LM head computes only ``token_ids``' logits; every other token's logit is -inf.
+
+    Speculative decoding is lossless for any proposal distribution q: the target checks every drafted token,
+    and the residual max(0, p − q) restores the mass that q leaves out. So the draft may propose from its
+    frequent tokens only (EAGLE-3's reduced draft vocabulary, here at decode time only: the saved and exported
+    draft keep their full head). At batch 1 the draft's step is bound by reading weights, and its fp32 head
+    (49,152 × 384) is most of them. Logits come back full width, so every caller's sampling, verification and
+    acceptance code stays unchanged.
+    """
+
+    def __init__(self, draft, token_ids):
+        super().__init__()
+        self.inner = draft
+        weight = draft.get_output_embeddings().weight
+        ids = torch.as_tensor(sorted({int(t) for t in token_ids}), dtype=torch.long)
+        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= weight.shape[0]:
+            span = f"{int(ids[0])}..{int(ids[-1])}" if ids.numel() else "nothing"
+            raise ValueError(f"draft vocabulary: needs token ids in [0, {weight.shape[0]}), got {span}")
+        self.vocab_size = weight.shape[0]
+        self.register_buffer("token_ids", ids.to(weight.device), persistent=False)
+        self.head = nn.Linear(weight.shape[1], ids.numel(), bias=False, device=weight.device, dtype=weight.dtype)
+        self.head.weight = nn.Parameter(weight.detach()[ids].clone(), requires_grad=False)
+
+    @property
+    def config(self):
+        return self.inner.config
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def forward(self, input_ids=None, logits_to_keep=0, **kwargs):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+        from transformers.modeling_utils import slice_logits_to_keep
+
+        out = self.inner.base_model(input_ids=input_ids, **kwargs)
+        kept = self.head(slice_logits_to_keep(out.last_hidden_state, logits_to_keep))
+        logits = kept.new_full((*kept.shape[:-1], self.vocab_size), float("-inf"))
+        logits[..., self.token_ids] = kept
+        return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values)
+
+
+def load_draft(path: str, dtype: str = "float32", full_vocab: bool = False):
+    """A trained draft for decoding: with its ``draft_vocab.json`` (written by training) and not ``full_vocab``,
+    wrapped so that its head computes only those tokens (``ReducedHeadDraft``)."""
+    import json
+
+    draft = load_model(path, dtype)
+    vocab_file = Path(resolve_model_path(path)) / DRAFT_VOCAB_FILE
+    if full_vocab or not vocab_file.is_file():
+        return draft
+    try:
+        ids = json.loads(vocab_file.read_text())["token_ids"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{vocab_file}: unreadable draft vocabulary ({err}); delete it to decode with the full "
+                         "head") from err
+    if len(set(ids)) >= draft.config.vocab_size:  # a vocabulary no larger than the kept set: nothing to save
+        return draft
+    return ReducedHeadDraft(draft, ids)
+
+
+def unwrap_draft(draft):
+    """The plain HF model under a ``ReducedHeadDraft`` (for HF ``generate``, export and parameter counts)."""
+    return draft.inner if isinstance(draft, ReducedHeadDraft) else draft
+
+
 # ---------------------------------------------------------------- accounting
 
 
@@ -68,7 +140,7 @@ def count_params(model: nn.Module) -> ParamCount:
 
 
 def size_report(draft: nn.Module, target: nn.Module) -> dict:
-    d, t = count_params(draft), count_params(target)
+    d, t = count_params(unwrap_draft(draft)), count_params(target)
     return {
         "draft_params": d.total, "draft_non_embedding": d.non_embedding,
         "target_params": t.total, "target_non_embedding": t.non_embedding,

@@ -518,51 +518,15 @@ def target_only_generate_batch(target, prompts: list[list[int]], max_new_tokens:
                                record_top_k: int = 0, record_prompt: bool = False) -> list[GenerationOutput]:
     """The fair baseline: the same model, dtype, cache, batching and sampling code, one target call per token.
 
-    Also the data generator's loop (``data.generate_responses``): batched, finished rows leave the batch.
+    One batch of ``target_generate_stream`` (the data generator's loop): finished rows leave the batch.
     ``record_top_k`` keeps the target's top-k log-probs behind every new token: the distillation teacher at
     those positions, already paid for by the generation forward. ``record_prompt`` also keeps them at the
     prompt's positions 0..P-2 (predicting prompt tokens 1..P-1) in ``prompt_teacher``: the prefill forward is
     paid for too, and only its LM head runs on more positions (≈ ⅕ of a generated token's cost).
     """
-
-    params = SamplingParams(temperature, top_k, top_p)
-    eos, stops = _stop_rule(prompts, eos_token_id, stop_sequences)
-    if record_prompt and not record_top_k:
-        raise ValueError("record_prompt needs record_top_k > 0")
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    model = _CachedModel(target.eval(), len(prompts))
-    start = time.perf_counter()
-    outputs = [GenerationOutput([], {"target_calls": 0, "tau": 1.0}) for _ in prompts]
-    if record_prompt:
-        last = _prefill_recording(model, prompts, record_top_k, outputs)
-    else:
-        last = model.feed([list(p) for p in prompts], last_only=True)
-    active = list(range(len(prompts)))
-    while active:
-        feed, still = [], []
-        if record_top_k:
-            top_ids, top_logp = teacher_topk(last, record_top_k)
-            for s, r in enumerate(active):
-                outputs[r].teacher.append((top_ids[s], top_logp[s]))
-        for s, (r, token) in enumerate(zip(active, sample_tokens(last, params, generator))):
-            out = outputs[r]
-            _, done = _finish(out.tokens, [token], eos, stops, max_new_tokens - len(out.tokens))
-            out.tokens.append(token)
-            out.stats["target_calls"] += 1
-            out.stats.setdefault("ttft_s", time.perf_counter() - start)
-            if done:
-                seconds = time.perf_counter() - start
-                out.stats.update(new_tokens=len(out.tokens), seconds=seconds,
-                                 tokens_per_s=len(out.tokens) / seconds)
-            else:
-                still.append(s)
-                feed.append([token])
-        if not still:
-            break
-        if len(still) < len(active):
-            model.select(still)
-            active = [active[s] for s in still]
-        last = model.feed(feed, last_only=True)
+    [(_, outputs)] = target_generate_stream(
+        target, [(0, prompts)], max(1, len(prompts)), max_new_tokens, eos_token_id, temperature, top_k, top_p,
+        seed, stop_sequences, record_top_k=record_top_k, record_prompt=record_prompt)
     return outputs
 
 
@@ -571,7 +535,8 @@ POOL_SPARE_SLOTS = 64  # holes a pool's cache may hold beyond its longest row be
 
 def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]], max_active_rows: int,
                            max_new_tokens: int = 128, eos_token_id=None, temperature: float = 0.0,
-                           top_k: int = 0, top_p: float = 1.0, seed: int = 0, record_top_k: int = 0,
+                           top_k: int = 0, top_p: float = 1.0, seed: int | None = 0,
+                           stop_sequences: list[list[int]] | None = None, record_top_k: int = 0,
                            record_prompt: bool = False) -> Iterator[tuple[int, list[GenerationOutput]]]:
     """``target_only_generate_batch`` over a stream of prompt batches, decoding up to ``max_active_rows`` rows
     together: yields ``(index, outputs)`` as each batch's last row finishes.
@@ -581,7 +546,8 @@ def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]
     own cache and joins the running one (``_CachedModel.absorb``). A 2-core CPU's matmuls run ≈ 2× faster per row at 128 rows than at 32
     (``scripts/bench_generate.py``), and a fixed batch shrinks as its rows finish. Row ``r`` of batch
     ``index`` samples with its own generator, seeded from ``(seed, index, r)``: what it draws does not depend
-    on the rows it shares the pool with, only float rounding of the batch shape can differ.
+    on the rows it shares the pool with, only float rounding of the batch shape can differ (``seed=None``: the
+    global RNG). Per-row stats: ``ttft_s`` and ``seconds`` count from the row's batch being pulled.
     """
     params = SamplingParams(temperature, top_k, top_p)
     if record_prompt and not record_top_k:
@@ -593,7 +559,8 @@ def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]
     pool: _CachedModel | None = None
     last: torch.Tensor | None = None
     rows: list[tuple[int, int]] = []  # (batch index, row in batch) per pool row
-    generators: list[torch.Generator] = []
+    generators: list[torch.Generator | None] = []
+    started: dict[int, float] = {}
     outputs: dict[int, list[GenerationOutput]] = {}
     unfinished: dict[int, int] = {}
     eos = set()
@@ -607,10 +574,11 @@ def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]
                 exhausted = True
                 break
             index, prompts = pulled
+            started[index] = time.perf_counter()
             widest = max(widest, len(prompts))
-            eos, stops = _stop_rule(prompts, eos_token_id, None)
+            eos, stops = _stop_rule(prompts, eos_token_id, stop_sequences)
             joining = _CachedModel(target.eval(), len(prompts))
-            outputs[index] = [GenerationOutput([], {"target_calls": 0}) for _ in prompts]
+            outputs[index] = [GenerationOutput([], {"target_calls": 0, "tau": 1.0}) for _ in prompts]
             unfinished[index] = len(prompts)
             if record_prompt:
                 first = _prefill_recording(joining, prompts, record_top_k, outputs[index])
@@ -623,8 +591,8 @@ def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]
                 pool.absorb(joining)
                 last = torch.cat([last, first])
             rows += [(index, r) for r in range(len(prompts))]
-            generators += [torch.Generator().manual_seed((seed * 1_000_003 + index) * 65_537 + r)
-                           for r in range(len(prompts))]
+            generators += [None if seed is None else torch.Generator().manual_seed(
+                (seed * 1_000_003 + index) * 65_537 + r) for r in range(len(prompts))]
         if not rows:
             return
         if record_top_k:
@@ -632,16 +600,19 @@ def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]
             for s, (index, r) in enumerate(rows):
                 outputs[index][r].teacher.append((top_ids[s], top_logp[s]))
         feed, still = [], []
-        for s, ((index, r), token) in enumerate(zip(rows, sample_tokens(last, params, generators))):
+        tokens = sample_tokens(last, params, None if seed is None else generators)
+        for s, ((index, r), token) in enumerate(zip(rows, tokens)):
             out = outputs[index][r]
             _, done = _finish(out.tokens, [token], eos, stops, max_new_tokens - len(out.tokens))
             out.tokens.append(token)
             out.stats["target_calls"] += 1
+            out.stats.setdefault("ttft_s", time.perf_counter() - started[index])
             if done:
-                out.stats["new_tokens"] = len(out.tokens)
+                seconds = time.perf_counter() - started[index]
+                out.stats.update(new_tokens=len(out.tokens), seconds=seconds, tokens_per_s=len(out.tokens) / seconds)
                 unfinished[index] -= 1
                 if not unfinished[index]:
-                    del unfinished[index]
+                    del unfinished[index], started[index]
                     yield index, outputs.pop(index)
             else:
                 still.append(s)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import functools
+import itertools
 import json
 import math
 import os
@@ -40,7 +41,7 @@ from .data import (
     target_generated_dataset,
 )
 from .losses import distill_loss, teacher_topk
-from .models import build_draft, check_pair, load_model, load_tokenizer, size_report
+from .models import DRAFT_VOCAB_FILE, DRAFT_VOCAB_SIZE, build_draft, check_pair, load_model, load_tokenizer, size_report
 
 
 class NonFiniteLossError(RuntimeError):
@@ -327,8 +328,23 @@ def save_checkpoint(accelerator, output_dir: Path, state: dict, keep_last: int) 
     return final
 
 
-def save_draft(draft, tokenizer, out: Path, extra: dict) -> Path:
-    """The trained draft as a plain HF folder (LoRA merged), with the target's tokenizer."""
+def draft_vocabulary(rows, tokenizer, size: int | None = None) -> dict:
+    """The tokens the draft's decoding head keeps (``models.ReducedHeadDraft``): the ``size`` most frequent
+    loss tokens of its training rows and the special tokens (EOS ends every reply). A small set holds fewer
+    distinct tokens (704 replies: 7,634), so the rest are the lowest ids: BPE's earliest merges, the tokenizer's
+    own frequency order."""
+    size = size or DRAFT_VOCAB_SIZE
+    frequent, coverage = frequent_tokens(rows, size)
+    chosen = set(frequent.tolist()) | set(tokenizer.all_special_ids)
+    fill = (t for t in range(len(tokenizer)) if t not in chosen)
+    chosen |= set(itertools.islice(fill, max(0, size - len(chosen))))
+    return {"token_ids": sorted(chosen), "training_coverage": round(coverage, 4),
+            "rule": f"the {size} most frequent training loss tokens, the special tokens, then the lowest ids"}
+
+
+def save_draft(draft, tokenizer, out: Path, extra: dict, vocabulary: dict | None = None) -> Path:
+    """The trained draft as a plain HF folder (LoRA merged), with the target's tokenizer and, given
+    ``vocabulary``, the ``draft_vocab.json`` that decoding reads."""
     import copy
 
     model = draft
@@ -339,6 +355,8 @@ def save_draft(draft, tokenizer, out: Path, extra: dict) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "specdistill.json").write_text(json.dumps(extra, indent=2))
+        if vocabulary is not None:
+            (tmp / DRAFT_VOCAB_FILE).write_text(json.dumps(vocabulary))
 
     return atomic_write_dir(out, write)
 
@@ -591,7 +609,8 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
         save_checkpoint(accelerator, out, state, tc.keep_last)  # the final state, unless just saved
     if accelerator.is_main_process and not interrupted:
         save_draft(base_draft, tokenizer, out / "draft", {"target": cfg.target.path, "sizes": sizes,
-                                                          "final_eval": last_eval, "config": to_dict(cfg)})
+                                                          "final_eval": last_eval, "config": to_dict(cfg)},
+                   draft_vocabulary(rows, tokenizer))
         (out / "metrics.json").write_text(json.dumps(result, indent=2))
         plot_curves(history, out / "curves.png", title=f"{tc.objective} ({kind}), {cfg.output_dir}")
     accelerator.end_training()

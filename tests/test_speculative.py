@@ -5,6 +5,7 @@ import torch
 from conftest import make_llama
 
 from specdistill import speculative
+from specdistill.models import ReducedHeadDraft, load_draft, size_report
 from specdistill.speculative import (
     SamplingParams,
     SpeculativeGenerator,
@@ -333,3 +334,54 @@ def test_decode_cli_streams_text_and_stops_at_stop_string(tiny_pair_dir, capsys)
     stats = json.loads("{" + stats)
     assert stats["stopped_at"] == "stop string" and stats["new_tokens"] < 24
     assert stop not in cut_text and full_text.startswith(cut_text)
+
+
+def test_reduced_head_draft_computes_the_full_heads_logits_on_its_tokens(pair, tmp_path):
+    target, draft = pair
+    keep = [0, 3, 5, 9, 15]
+    reduced = ReducedHeadDraft(draft, keep)
+    ids = torch.tensor([[1, 4, 2, 7]])
+    full, part = draft(input_ids=ids).logits, reduced(input_ids=ids).logits
+    left_out = torch.ones(VOCAB, dtype=torch.bool)
+    left_out[keep] = False
+    assert torch.allclose(part[..., keep], full[..., keep], atol=1e-5)
+    assert bool((part[..., left_out] == float("-inf")).all())
+    # Through the decoder's cache, rows of two lengths, only each row's last position (logits_to_keep).
+    a = _CachedModel(draft, 2).feed([[1, 4, 2], [7]], last_only=True)
+    b = _CachedModel(reduced, 2).feed([[1, 4, 2], [7]], last_only=True)
+    assert torch.allclose(b[:, keep], a[:, keep], atol=1e-5)
+    assert size_report(reduced, target) == size_report(draft, target)  # the decode-time copy is not a parameter
+    with pytest.raises(ValueError, match=r"token ids in \[0, 16\)"):
+        ReducedHeadDraft(draft, [3, VOCAB])
+    with pytest.raises(ValueError, match="got nothing"):
+        ReducedHeadDraft(draft, [])
+    draft.save_pretrained(tmp_path)
+    assert not isinstance(load_draft(str(tmp_path)), ReducedHeadDraft)  # no draft_vocab.json: the full head
+    (tmp_path / "draft_vocab.json").write_text(json.dumps({"token_ids": keep}))
+    assert load_draft(str(tmp_path)).token_ids.tolist() == keep
+    (tmp_path / "draft_vocab.json").write_text('{"token_ids": [1, 2')  # cut mid-write
+    with pytest.raises(ValueError, match="draft_vocab.json: unreadable"):
+        load_draft(str(tmp_path))
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_reduced_head_draft_stays_lossless(pair, gamma):
+    """Half the vocabulary left out of the draft's head, so the target's token is often one the draft cannot
+    propose: greedy output is still the target's, token for token, and sampled output follows the target."""
+    target, draft = pair
+    reduced = ReducedHeadDraft(draft, range(0, VOCAB, 2))
+    g = torch.Generator().manual_seed(gamma)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 6, 3)]
+    refs = [target_only_generate(target, p, max_new_tokens=20).tokens for p in prompts]
+    outs = SpeculativeGenerator(target, reduced, gamma=gamma).generate_batch(prompts, max_new_tokens=20)
+    assert [o.tokens for o in outs] == refs
+    params = SamplingParams(0.9)
+    prompt = [5, 1, 8]
+    with torch.no_grad():
+        p = warp(target(torch.tensor([prompt])).logits[0, -1], params)
+    gen = SpeculativeGenerator(target, reduced, gamma=gamma)
+    counts = torch.zeros(VOCAB)
+    for seed in range(1500):
+        counts[gen.generate(prompt, max_new_tokens=2, temperature=0.9, seed=seed).tokens[0]] += 1
+    assert chi_square_p(counts, p) > 1e-3
+    assert counts[1::2].sum() > 0  # tokens the draft never proposes still come out, from the residual

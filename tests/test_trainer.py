@@ -13,7 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from specdistill import trainer
 from specdistill.config import ConfigError, DistillConfig, load_config
+from specdistill.models import ReducedHeadDraft, load_draft, load_tokenizer
 from specdistill.trainer import NonFiniteLossError, latest_checkpoint, lr_lambda, run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +60,8 @@ def test_lr_schedule_anneals_on_whichever_budget_ends_first():
     assert timed(20) == pytest.approx(0.1)
 
 
-def test_distill_end_to_end(tiny_pair_dir, conversations, tmp_path):
+def test_distill_end_to_end(tiny_pair_dir, conversations, tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer, "DRAFT_VOCAB_SIZE", 100)  # the tiny tokenizer has 320 tokens
     out = tmp_path / "run"
     result = run(config(tiny_pair_dir, conversations, out, "train.max_steps=12", "train.save_every=4"))
     losses = train_losses(out)
@@ -77,6 +80,15 @@ def test_distill_end_to_end(tiny_pair_dir, conversations, tmp_path):
     initial = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "target")
     assert reloaded.config.vocab_size == initial.config.vocab_size
     assert not torch.equal(reloaded.model.layers[0].mlp.up_proj.weight[:4, :4], torch.zeros(4, 4))
+    # The decoding head's tokens: every training reply token (fewer than 100 distinct), EOS, then the lowest ids
+    # up to 100.
+    vocabulary = json.loads((out / "draft" / "draft_vocab.json").read_text())
+    tokenizer = load_tokenizer(str(out / "draft"))
+    assert vocabulary["token_ids"] == sorted(vocabulary["token_ids"]) and len(vocabulary["token_ids"]) == 100
+    assert tokenizer.eos_token_id in vocabulary["token_ids"] and vocabulary["training_coverage"] == 1.0
+    draft = load_draft(str(out / "draft"))
+    assert isinstance(draft, ReducedHeadDraft) and draft.token_ids.tolist() == vocabulary["token_ids"]
+    assert not isinstance(load_draft(str(out / "draft"), full_vocab=True), ReducedHeadDraft)
 
 
 def test_golden_losses(tiny_pair_dir, conversations, tmp_path):
