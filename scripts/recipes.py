@@ -125,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
                                    "overrides": RECIPES[name]}
             state_path.write_text(json.dumps(state, indent=2))
         drafts[name] = str(run_dir / "draft")
-    target_path = cfg.target.path
+    # The init is the config's own draft (with the trailing overrides), not the last recipe's: a recipe may
+    # change the draft's layout.
+    base_cfg = load_config(DistillConfig, args.config, [*budget, *args.overrides])
+    target_path = base_cfg.target.path
 
     eval_dir = out / "eval"
     metrics = eval_dir / "metrics.json"
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         print("== acceptance of every recipe (and the untrained init) on the same prompts")
         eval_args = ["--target", target_path, "--prompts", args.prompts, "--num-prompts", str(args.num_prompts),
                      "--max-new-tokens", str(args.max_new_tokens), "--gamma", args.gammas, "--temperatures", "0,1",
-                     "--output-dir", str(eval_dir), "--draft", save_init(cfg, out / "draft-init"), "--name", "init"]
+                     "--output-dir", str(eval_dir), "--draft", save_init(base_cfg, out / "draft-init"), "--name", "init"]
         for name, path in drafts.items():
             eval_args += ["--draft", path, "--name", name]
         evaluation.main(eval_args)
