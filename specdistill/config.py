@@ -169,6 +169,9 @@ class TrainConfig:
     # is most of a small draft's training FLOPs). The saved draft keeps its full head, so export is unchanged.
     head_vocab: int = 0
     head_negatives: int = 1024
+    # The tokens the saved draft's decoding head keeps (draft/draft_vocab.json, models.ReducedHeadDraft): the
+    # draft_vocab most frequent training-reply tokens. 0 writes no file: decoding uses the full head.
+    draft_vocab: int = 8192
     # data_mode=cache: prompt tokens are loss tokens too, against the teacher stored there by
     # generate.prompt_teacher (user text, not the target's own replies, but ≈ 5× cheaper per token).
     prompt_loss: bool = False
@@ -189,7 +192,7 @@ class TrainConfig:
                      "max_nonfinite", "chunk_size"):
             _check(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         for name in ("warmup_steps", "stop_at_step", "max_train_rows", "teacher_top_k", "lora_r", "eval_prompts", "max_minutes",
-                     "head_vocab", "head_negatives"):
+                     "head_vocab", "head_negatives", "draft_vocab"):
             _check(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
         _check(self.cache_top_k >= 1, "train.cache_top_k", "must be >= 1")
         _check(self.bf16 in (True, False, "auto"), "train.bf16", "must be true, false or auto")

@@ -41,7 +41,7 @@ from .data import (
     target_generated_dataset,
 )
 from .losses import distill_loss, teacher_topk
-from .models import DRAFT_VOCAB_FILE, DRAFT_VOCAB_SIZE, build_draft, check_pair, load_model, load_tokenizer, size_report
+from .models import DRAFT_VOCAB_FILE, build_draft, check_pair, load_model, load_tokenizer, size_report
 
 
 class NonFiniteLossError(RuntimeError):
@@ -328,12 +328,11 @@ def save_checkpoint(accelerator, output_dir: Path, state: dict, keep_last: int) 
     return final
 
 
-def draft_vocabulary(rows, tokenizer, size: int | None = None) -> dict:
+def draft_vocabulary(rows, tokenizer, size: int) -> dict:
     """The tokens the draft's decoding head keeps (``models.ReducedHeadDraft``): the ``size`` most frequent
     loss tokens of its training rows and the special tokens (EOS ends every reply). A small set holds fewer
     distinct tokens (704 replies: 7,634), so the rest are the lowest ids: BPE's earliest merges, the tokenizer's
     own frequency order."""
-    size = size or DRAFT_VOCAB_SIZE
     frequent, coverage = frequent_tokens(rows, size)
     chosen = set(frequent.tolist()) | set(tokenizer.all_special_ids)
     fill = (t for t in range(len(tokenizer)) if t not in chosen)
@@ -610,7 +609,8 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
     if accelerator.is_main_process and not interrupted:
         save_draft(base_draft, tokenizer, out / "draft", {"target": cfg.target.path, "sizes": sizes,
                                                           "final_eval": last_eval, "config": to_dict(cfg)},
-                   draft_vocabulary(rows, tokenizer))
+                   draft_vocabulary(rows, tokenizer, tc.draft_vocab)
+                   if 0 < tc.draft_vocab < len(tokenizer) else None)  # a cut that keeps every token is no cut
         (out / "metrics.json").write_text(json.dumps(result, indent=2))
         plot_curves(history, out / "curves.png", title=f"{tc.objective} ({kind}), {cfg.output_dir}")
     accelerator.end_training()

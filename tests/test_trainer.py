@@ -13,7 +13,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdistill import trainer
 from specdistill.config import ConfigError, DistillConfig, load_config
 from specdistill.models import ReducedHeadDraft, load_draft, load_tokenizer
 from specdistill.trainer import NonFiniteLossError, latest_checkpoint, lr_lambda, run
@@ -60,10 +59,10 @@ def test_lr_schedule_anneals_on_whichever_budget_ends_first():
     assert timed(20) == pytest.approx(0.1)
 
 
-def test_distill_end_to_end(tiny_pair_dir, conversations, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer, "DRAFT_VOCAB_SIZE", 100)  # the tiny tokenizer has 320 tokens
+def test_distill_end_to_end(tiny_pair_dir, conversations, tmp_path):
     out = tmp_path / "run"
-    result = run(config(tiny_pair_dir, conversations, out, "train.max_steps=12", "train.save_every=4"))
+    result = run(config(tiny_pair_dir, conversations, out, "train.max_steps=12", "train.save_every=4",
+                        "train.draft_vocab=100"))  # the tiny tokenizer has 320 tokens
     losses = train_losses(out)
     assert len(losses) == 12 and not any(math.isnan(x) for x in losses)
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
@@ -212,6 +211,8 @@ def test_cache_mode_uses_the_teacher_stored_at_generation(tiny_pair_dir, convers
                         "train.eval_prompts=0"))
     assert result["steps"] == 3 and result["loss_tokens"] > 0
     assert not (tmp_path / "cache" / "teacher").exists()  # no second target pass over the set
+    # train.draft_vocab (8,192) is above the tiny tokenizer's 320 tokens: no cut, so no draft_vocab.json.
+    assert not (tmp_path / "gen-cache" / "draft" / "draft_vocab.json").exists()
     with pytest.raises(ConfigError, match="cache_top_k: must be <= generate.teacher_top_k"):
         config(tiny_pair_dir, conversations, tmp_path / "bad", "train.data_mode=cache", "generate.teacher_top_k=4",
                "train.cache_top_k=8")
