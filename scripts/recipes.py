@@ -79,6 +79,9 @@ RECIPES = {
     # The same with the sampled softmax: the full 49k head made each extra loss token cost head time (106 steps
     # against 144); with a 16k head a step's cost barely grows with its loss tokens.
     "fkl-cache-hv16k-prompt": [*FKL_CACHE_HV16K, "generate.prompt_teacher=true", "train.prompt_loss=true"],
+    # The CE baseline with the same sampled softmax: the fair equal-budget comparison for fkl-cache-hv16k (plain
+    # `ce` pays for the full 49k head on every step, which the sampled softmax made the FKL recipe skip).
+    "ce-hv16k": ["train.objective=ce", "train.data_mode=generated", "train.head_vocab=16384"],
 }
 
 
