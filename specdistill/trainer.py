@@ -274,8 +274,15 @@ def logits_at_targets(model, rows, pad_id: int, batch_size: int = 8, dtype=torch
     return out
 
 
-def evaluate_acceptance(draft, evalset: dict, gamma: int = 5) -> dict:
+def evaluate_acceptance(draft, evalset: dict, gamma: int = 5, keep_ids: list[int] | None = None) -> dict:
+    """α and τ on the held-out set. ``keep_ids``: the tokens of the decoding head the draft will be saved with
+    (``draft_vocab.json``); the others get −inf, as ``models.ReducedHeadDraft`` gives them, so the curve measures
+    the draft that decoding will run."""
     draft_logits = logits_at_targets(draft, evalset["rows"], evalset["pad_id"])
+    if keep_ids is not None:
+        dropped = torch.ones(draft_logits[0].shape[-1], dtype=torch.bool)
+        dropped[torch.as_tensor(keep_ids, dtype=torch.long)] = False
+        draft_logits = [q.masked_fill(dropped, float("-inf")) for q in draft_logits]
     greedy, sampled, counts = [], [], []
     for p, q in zip(evalset["target_logits"], draft_logits):
         agree = token_acceptance(p.float(), q, 0.0)
@@ -425,6 +432,9 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
     if num_rows == 0:
         raise ValueError("the training set is empty")
     lengths = row_lengths(rows, tc)
+    # The decoding head's tokens, chosen now so that the held-out evals measure the draft that will be saved.
+    vocabulary = (draft_vocabulary(rows, tokenizer, tc.draft_vocab)
+                  if 0 < tc.draft_vocab < len(tokenizer) else None)  # a cut that keeps every token is no cut
     frequent, vocab_size = None, draft.get_output_embeddings().weight.shape[0]
     if tc.head_vocab:
         frequent, coverage = frequent_tokens(rows, tc.head_vocab)
@@ -475,7 +485,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
     def evaluate(step: int):
         if evalset is None:
             return {}
-        result = evaluate_acceptance(base_draft, evalset)
+        result = evaluate_acceptance(base_draft, evalset, keep_ids=vocabulary and vocabulary["token_ids"])
         log({"step": step, "kind": "eval", **result})
         return result
 
@@ -609,8 +619,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
     if accelerator.is_main_process and not interrupted:
         save_draft(base_draft, tokenizer, out / "draft", {"target": cfg.target.path, "sizes": sizes,
                                                           "final_eval": last_eval, "config": to_dict(cfg)},
-                   draft_vocabulary(rows, tokenizer, tc.draft_vocab)
-                   if 0 < tc.draft_vocab < len(tokenizer) else None)  # a cut that keeps every token is no cut
+                   vocabulary)
         (out / "metrics.json").write_text(json.dumps(result, indent=2))
         plot_curves(history, out / "curves.png", title=f"{tc.objective} ({kind}), {cfg.output_dir}")
     accelerator.end_training()

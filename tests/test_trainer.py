@@ -88,6 +88,20 @@ def test_distill_end_to_end(tiny_pair_dir, conversations, tmp_path):
     draft = load_draft(str(out / "draft"))
     assert isinstance(draft, ReducedHeadDraft) and draft.token_ids.tolist() == vocabulary["token_ids"]
     assert not isinstance(load_draft(str(out / "draft"), full_vocab=True), ReducedHeadDraft)
+    # The held-out evals during training measure the draft with that head, as decoding runs it.
+    from specdistill.models import load_model
+    from specdistill.trainer import eval_set, evaluate_acceptance
+
+    cfg = config(tiny_pair_dir, conversations, out, "train.max_steps=12", "train.draft_vocab=100")
+    evalset = eval_set(load_model(cfg.target.path, "float32"), tokenizer, cfg)
+    decoded = evaluate_acceptance(draft, evalset)
+    masked = evaluate_acceptance(load_draft(str(out / "draft"), full_vocab=True), evalset,
+                                 keep_ids=vocabulary["token_ids"])
+    full = evaluate_acceptance(load_draft(str(out / "draft"), full_vocab=True), evalset)
+    for key in ("alpha_greedy", "alpha_t1"):
+        assert masked[key] == pytest.approx(decoded[key], abs=1e-5)
+        assert result["final_eval"][key] == pytest.approx(decoded[key], abs=1e-5)
+    assert masked["alpha_t1"] != pytest.approx(full["alpha_t1"], abs=1e-6)  # the cut head changes what is measured
 
 
 def test_golden_losses(tiny_pair_dir, conversations, tmp_path):
