@@ -82,6 +82,10 @@ RECIPES = {
     # The CE baseline with the same sampled softmax: the fair equal-budget comparison for fkl-cache-hv16k (plain
     # `ce` pays for the full 49k head on every step, which the sampled softmax made the FKL recipe skip).
     "ce-hv16k": ["train.objective=ce", "train.data_mode=generated", "train.head_vocab=16384"],
+    # The target's residual stream after layer 15 of 30, stored at generation, matched by the draft's state at the
+    # same relative depth through a trained linear map (standardised MSE, weight 1) on top of the stored top-64.
+    # Pass generate.teacher_hidden_layer=15 to every recipe so that they all share one generated set.
+    "fkl-cache-hv16k-hidden": [*FKL_CACHE_HV16K, "generate.teacher_hidden_layer=15", "train.hidden_weight=1.0"],
 }
 
 

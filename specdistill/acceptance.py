@@ -80,3 +80,26 @@ def best_gamma(alpha: float, cost_ratio: float, verify_costs: dict[int, float]) 
     scores = {g: expected_speedup(expected_tau(alpha, g), g, cost_ratio, v) for g, v in verify_costs.items()}
     gamma = max(scores, key=scores.get)
     return gamma, scores[gamma]
+
+
+def alpha_needed(speedup: float, cost_ratio: float, verify_costs: dict[int, float],
+                 tolerance: float = 1e-6) -> tuple[float, int] | None:
+    """The smallest i.i.d. α whose expected speedup τ/(γc+v) reaches ``speedup`` at some γ, and that γ.
+
+    ``None`` when no α can: even α = 1 gives τ = γ+1, so a γ reaches ``speedup`` only if
+    (γ+1) ≥ speedup·(γc + v(γ)). This is the hardware's side of the bargain: on a CPU, where verifying γ
+    tokens costs v(γ) > 1 target steps, it says how good a draft must be before any training is worth it."""
+    best = None
+    for gamma, verify in verify_costs.items():
+        if expected_speedup(gamma + 1.0, gamma, cost_ratio, verify) < speedup:
+            continue
+        low, high = 0.0, 1.0  # the speedup rises with α at fixed γ: bisect
+        while high - low > tolerance:
+            mid = (low + high) / 2
+            if expected_speedup(expected_tau(mid, gamma), gamma, cost_ratio, verify) >= speedup:
+                high = mid
+            else:
+                low = mid
+        if best is None or high < best[0]:
+            best = (high, gamma)
+    return best

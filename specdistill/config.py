@@ -108,9 +108,18 @@ class GenerateConfig:
     # Also store the teacher's top-k at every prompt position (for train.prompt_loss): the prefill forward
     # already ran there, only its LM head covers all positions instead of the last.
     prompt_teacher: bool = False
+    # > 0: also store the target's residual stream after this many decoder layers at every reply token's position
+    # (fp16, the target's hidden size per token: ≈ 1.2 KB for SmolLM2), the intermediate teacher of
+    # train.hidden_weight, captured by the forward that sampled the token (no extra target pass).
+    teacher_hidden_layer: int = 0
 
     def __post_init__(self):
         _check(self.num_prompts >= 1, "generate.num_prompts", "must be >= 1")
+        _check(self.teacher_hidden_layer >= 0, "generate.teacher_hidden_layer", "must be >= 0 (0 = do not store)")
+        _check(not self.teacher_hidden_layer or self.teacher_top_k > 0, "generate.teacher_hidden_layer",
+               "needs generate.teacher_top_k > 0 (it is read by train.data_mode=cache, with the stored teacher)")
+        _check(not (self.teacher_hidden_layer and self.prompt_teacher), "generate.teacher_hidden_layer",
+               "is stored at reply positions only: not with generate.prompt_teacher")
         _check(not self.prompt_teacher or self.teacher_top_k > 0, "generate.prompt_teacher",
                "needs generate.teacher_top_k > 0")
         _check(self.max_minutes >= 0.0, "generate.max_minutes", "must be >= 0 (0 = no limit)")
@@ -175,6 +184,11 @@ class TrainConfig:
     # data_mode=cache: prompt tokens are loss tokens too, against the teacher stored there by
     # generate.prompt_teacher (user text, not the target's own replies, but ≈ 5× cheaper per token).
     prompt_loss: bool = False
+    # > 0: add this weight × the mean squared error between a linear map of the draft's hidden state at the
+    # target's relative depth and the target's stored state there (generate.teacher_hidden_layer; each channel
+    # standardised over the training set) to every loss token: a denser signal per token than the top-k
+    # log-probs. The map is trained with the draft and not saved with it.
+    hidden_weight: float = 0.0
     seed: int = 0
 
     def __post_init__(self):
@@ -195,6 +209,7 @@ class TrainConfig:
                      "head_vocab", "head_negatives", "draft_vocab"):
             _check(getattr(self, name) >= 0, f"train.{name}", "must be >= 0")
         _check(self.cache_top_k >= 1, "train.cache_top_k", "must be >= 1")
+        _check(self.hidden_weight >= 0.0, "train.hidden_weight", "must be >= 0 (0 = off)")
         _check(self.bf16 in (True, False, "auto"), "train.bf16", "must be true, false or auto")
         self.bf16 = resolve_bf16(self.bf16)
         _check(self.data_mode != "cache" or self.temperature == 1.0, "train.temperature",
@@ -218,6 +233,9 @@ class DistillConfig:
                "train.cache_top_k", f"must be <= generate.teacher_top_k ({stored}), the entries stored per token")
         _check(not self.train.prompt_loss or (self.train.data_mode == "cache" and self.generate.prompt_teacher),
                "train.prompt_loss", "needs train.data_mode=cache and generate.prompt_teacher=true")
+        _check(not self.train.hidden_weight or (self.train.data_mode == "cache" and self.generate.teacher_hidden_layer),
+               "train.hidden_weight", "needs train.data_mode=cache and generate.teacher_hidden_layer > 0 (the "
+               "target's states stored at generation)")
 
 
 @dataclass

@@ -317,6 +317,8 @@ TEACHER_FEATURES = {
 }
 # With generate.prompt_teacher: the same at prompt positions 0..P-2, each predicting the next prompt token.
 PROMPT_TEACHER_FEATURES = {f"prompt_{name}": feature for name, feature in TEACHER_FEATURES.items()}
+# With generate.teacher_hidden_layer: per reply token, the target's hidden state at that layer.
+HIDDEN_FEATURES = {"hidden": datasets.Sequence(datasets.Sequence(datasets.Value("float16")))}
 
 
 def _shards(out_dir: Path) -> list[Path]:
@@ -340,13 +342,15 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
                        max_prompt_tokens: int, max_new_tokens: int, batch_size: int, temperature: float = 0.0,
                        top_p: float = 1.0, seed: int = 0, max_batches: int | None = None,
                        teacher_top_k: int = 0, max_minutes: float = 0.0, prompt_teacher: bool = False,
-                       max_active_rows: int = 0) -> datasets.Dataset:
+                       max_active_rows: int = 0, teacher_hidden_layer: int = 0) -> datasets.Dataset:
     """Generate the target's own replies to ``prompts`` (``(id, messages)``) into Arrow shards.
 
     ``teacher_top_k`` > 0 also stores, per reply token, the target's top-k log-probs (T=1) from the very
     forward that sampled it: logit distillation's teacher at no extra target pass (``train.data_mode=cache``).
     ``prompt_teacher`` also stores it at the prompt's positions (``prompt_topk_*``, for ``train.prompt_loss``):
     the prefill computed them anyway, only its LM head runs on every position instead of the last.
+    ``teacher_hidden_layer`` > 0 also stores, per reply token, the target's residual stream after that many layers
+    (``hidden``, fp16) at the position whose logits sampled it: the intermediate teacher of ``train.hidden_weight``.
 
     Prompts are sorted by length (less padding) and cut into batches of ``batch_size``; up to
     ``max_active_rows`` rows (0: one batch) decode together, a new batch joining as finished rows leave
@@ -377,6 +381,8 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
         if not teacher_top_k:
             raise DataError("generate.prompt_teacher needs generate.teacher_top_k > 0")
         settings["prompt_teacher"] = True
+    if teacher_hidden_layer:
+        settings["teacher_hidden_layer"] = teacher_hidden_layer
     meta_path = out_dir / "settings.json"
     if meta_path.is_file():
         previous = json.loads(meta_path.read_text())
@@ -424,7 +430,8 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
     generated_tokens = 0  # this run's, so a resumed run shows its own rate
     stream = speculative.target_generate_stream(
         model, admit(), max(max_active_rows, batch_size), max_new_tokens, eos_ids, temperature=temperature,
-        top_p=top_p, seed=seed, record_top_k=teacher_top_k, record_prompt=prompt_teacher)
+        top_p=top_p, seed=seed, record_top_k=teacher_top_k, record_prompt=prompt_teacher,
+        record_hidden_layer=teacher_hidden_layer)
     for index, outputs in stream:
         batch = batches[index]
         rows = [{"prompt_id": prompt_id, "prompt_ids": ids, "response_ids": out.tokens,
@@ -441,6 +448,10 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
             for row, out in zip(rows, outputs):
                 row["prompt_topk_ids"] = torch.stack([ids for ids, _ in out.prompt_teacher]).int().tolist()
                 row["prompt_topk_logp"] = torch.stack([lp for _, lp in out.prompt_teacher]).half().float().tolist()
+        if teacher_hidden_layer:
+            features = datasets.Features({**features, **HIDDEN_FEATURES})
+            for row, out in zip(rows, outputs):
+                row["hidden"] = torch.stack(out.hidden).half().float().numpy()
         shard = datasets.Dataset.from_list(rows, features=features)
         from .assets import atomic_write_dir
 
@@ -471,19 +482,23 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def generated_to_teacher_rows(ds: datasets.Dataset, seq_len: int, top_k: int, prompt_loss: bool = False
-                              ) -> datasets.Dataset:
+def generated_to_teacher_rows(ds: datasets.Dataset, seq_len: int, top_k: int, prompt_loss: bool = False,
+                              hidden: bool = False) -> datasets.Dataset:
     """Generated rows with a stored teacher -> the offline teacher cache's layout (``trainer.build_teacher_cache``).
 
     The teacher rows follow the loss positions in order, cut where ``seq_len`` cuts the reply, and keep the
     ``top_k`` most likely of the stored entries (stored sorted, so that is again a top-k). ``prompt_loss``
     also makes prompt tokens 1..P-1 loss tokens, with the teacher stored there (``generate.prompt_teacher``).
+    ``hidden`` keeps the stored hidden states (``generate.teacher_hidden_layer``), cut like the teacher.
     """
     if "topk_ids" not in ds.column_names:
         raise DataError("this generated set holds no teacher log-probs: generate it with generate.teacher_top_k > 0")
     if prompt_loss and "prompt_topk_ids" not in ds.column_names:
         raise DataError("train.prompt_loss needs the teacher at prompt positions: generate the set with "
                         "generate.prompt_teacher=true")
+    if hidden and "hidden" not in ds.column_names:
+        raise DataError("train.hidden_weight needs the target's hidden states: generate the set with "
+                        "generate.teacher_hidden_layer > 0")
     stored = len(ds[0]["topk_ids"][0]) if len(ds) and ds[0]["topk_ids"] else top_k
     if top_k > stored:
         raise DataError(f"train.cache_top_k={top_k} exceeds the {stored} teacher entries stored per token "
@@ -498,13 +513,16 @@ def generated_to_teacher_rows(ds: datasets.Dataset, seq_len: int, top_k: int, pr
             in_window = min(len(prompt), seq_len) - 1  # prompt tokens 1.. inside the window
             prompt_mask = [0] + [1] * (len(prompt) - 1)
             ids, logp = row["prompt_topk_ids"][:in_window] + ids, row["prompt_topk_logp"][:in_window] + logp
-        return {"input_ids": (prompt + reply)[:seq_len], "loss_mask": (prompt_mask + [1] * len(reply))[:seq_len],
-                "topk_ids": [t[:top_k] for t in ids], "topk_logp": [t[:top_k] for t in logp]}
+        packed = {"input_ids": (prompt + reply)[:seq_len], "loss_mask": (prompt_mask + [1] * len(reply))[:seq_len],
+                  "topk_ids": [t[:top_k] for t in ids], "topk_logp": [t[:top_k] for t in logp]}
+        if hidden:
+            packed["hidden"] = row["hidden"][:kept]
+        return packed
 
     return ds.map(convert, remove_columns=ds.column_names, desc="pack generated data + teacher",
                   features=datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
                                               "loss_mask": datasets.Sequence(datasets.Value("int8")),
-                                              **TEACHER_FEATURES}))
+                                              **TEACHER_FEATURES, **(HIDDEN_FEATURES if hidden else {})}))
 
 
 def generated_to_training(ds: datasets.Dataset) -> datasets.Dataset:
@@ -541,6 +559,8 @@ def generated_dir(target_path: str, gen, data, split: str = "train") -> Path:
         parts.append(f"teacher-top{gen.teacher_top_k}")
     if gen.prompt_teacher:
         parts.append("prompt-teacher")
+    if gen.teacher_hidden_layer:
+        parts.append(f"hidden-L{gen.teacher_hidden_layer}")
     key = json.dumps(parts)
     name = Path(target_path).name or "target"
     return cache_dir() / "generated" / f"{name}-{split}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -558,7 +578,8 @@ def target_generated_dataset(model, tokenizer, target_path: str, data, gen, reco
                               max_prompt_tokens=gen.max_prompt_tokens, max_new_tokens=gen.max_new_tokens,
                               batch_size=gen.batch_size, temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed,
                               teacher_top_k=gen.teacher_top_k, max_minutes=gen.max_minutes,
-                              prompt_teacher=gen.prompt_teacher, max_active_rows=gen.max_active_rows)
+                              prompt_teacher=gen.prompt_teacher, max_active_rows=gen.max_active_rows,
+                              teacher_hidden_layer=gen.teacher_hidden_layer)
 
 
 def load_conversations(data) -> list[dict]:

@@ -23,6 +23,7 @@ import torch
 
 from . import kernels
 from .acceptance import (
+    alpha_needed,
     expected_speedup,
     expected_tau,
     greedy_block_acceptance,
@@ -196,17 +197,32 @@ def plot_report(report: dict, out: Path) -> None:
     plt.close(fig)
 
 
+SPEEDUP_MARKS = (1.0, 1.5, 2.5)  # break-even, and the 1.5× / 2.5× the headline targets ask for
+
+
+def needed_text(d: dict) -> str:
+    """``alpha_needed`` as a table cell: "0.42 (γ=1) / 0.71 (γ=2) / unreachable"."""
+    if "alpha_needed" not in d:  # a report written before the column existed
+        return "—"
+    cells = []
+    for mark in SPEEDUP_MARKS:
+        found = d["alpha_needed"].get(f"{mark:g}")
+        cells.append("unreachable" if found is None else f"{found[0]:.2f} (γ={found[1]})")
+    return " / ".join(cells)
+
+
 def markdown_table(report: dict) -> str:
     temps = report["temperatures"]
     head = ["draft", "params", "ratio"] + [f"α T={t}" for t in temps] + ["τ greedy γ=5" if 5 in report["gammas"] else "τ",
-                                                                         "c", "best γ (greedy)", "expected speedup"]
+                                                                         "c", "best γ (greedy)", "expected speedup",
+                                                                         "α needed for " + " / ".join(f"{m:g}×" for m in SPEEDUP_MARKS)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, d in report["drafts"].items():
         g5 = d["tau"].get("0/5", d["tau"].get(f"0/{report['gammas'][0]}", float("nan")))
         lines.append("| " + " | ".join([
             name, f"{d['sizes']['draft_params'] / 1e6:.1f}M", f"{d['sizes']['ratio_total']:.1%}",
             *[f"{d['alpha'][str(t)]:.3f}" for t in temps], f"{g5:.2f}", f"{d['cost_ratio']:.3f}",
-            str(d["best_gamma"]["0"]), f"{d['best_speedup']['0']:.2f}×"]) + " |")
+            str(d["best_gamma"]["0"]), f"{d['best_speedup']['0']:.2f}×", needed_text(d)]) + " |")
     return "\n".join(lines)
 
 
@@ -280,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         c = result["cost_ratio"]
         result["expected_speedup"] = {f"{t}/{g}": expected_speedup(result["tau"][f"{t}/{g}"], g, c, verify[g])
                                       for t in temperatures for g in gammas}
+        # What α this pair's measured costs ask for: break-even and the product's 2.5× headline (None: unreachable).
+        result["alpha_needed"] = {f"{s:g}": alpha_needed(s, c, verify) for s in SPEEDUP_MARKS}
         result["best_gamma"], result["best_speedup"] = {}, {}
         for t in temperatures:
             best = max(gammas, key=lambda g: result["expected_speedup"][f"{t}/{g}"])

@@ -149,3 +149,13 @@ def distill_loss(student_hidden: torch.Tensor, head_weight: torch.Tensor, teache
         else:
             total = total + _chunk_loss(*args)
     return total
+
+
+def hidden_state_loss(predicted: torch.Tensor, teacher_hidden: torch.Tensor, mean: torch.Tensor,
+                      std: torch.Tensor) -> torch.Tensor:
+    """Summed over N tokens: the mean squared error over channels between ``predicted`` (N, d_t), a map of the
+    draft's state, and the target's ``teacher_hidden`` (N, d_t) standardised per channel by ``mean`` / ``std``
+    (d_t,). Standardised, because a few of SmolLM2's residual channels are 100× the others and would be all an
+    unscaled MSE sees. Summed like ``distill_loss``, so the caller normalises both by one token count."""
+    wanted = (teacher_hidden.float() - mean) / std
+    return (predicted.float() - wanted).pow(2).mean(-1).sum()

@@ -150,6 +150,9 @@ class GenerationOutput:
     teacher: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # With ``record_prompt``: the same at prompt positions 0..P-2 (each predicting the next prompt token).
     prompt_teacher: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # With ``record_hidden_layer``: per new token, the target's residual stream after that many layers at the
+    # position whose logits sampled it (the intermediate teacher of ``train.hidden_weight``).
+    hidden: list[torch.Tensor] = field(default_factory=list)
 
 
 def cache_kwarg(model) -> str:
@@ -537,7 +540,8 @@ def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]
                            max_new_tokens: int = 128, eos_token_id=None, temperature: float = 0.0,
                            top_k: int = 0, top_p: float = 1.0, seed: int | None = 0,
                            stop_sequences: list[list[int]] | None = None, record_top_k: int = 0,
-                           record_prompt: bool = False) -> Iterator[tuple[int, list[GenerationOutput]]]:
+                           record_prompt: bool = False, record_hidden_layer: int = 0
+                           ) -> Iterator[tuple[int, list[GenerationOutput]]]:
     """``target_only_generate_batch`` over a stream of prompt batches, decoding up to ``max_active_rows`` rows
     together: yields ``(index, outputs)`` as each batch's last row finishes.
 
@@ -548,10 +552,33 @@ def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]
     ``index`` samples with its own generator, seeded from ``(seed, index, r)``: what it draws does not depend
     on the rows it shares the pool with, only float rounding of the batch shape can differ (``seed=None``: the
     global RNG). Per-row stats: ``ttft_s`` and ``seconds`` count from the row's batch being pulled.
+    ``record_hidden_layer`` > 0 keeps, per new token, the output of decoder layer ``record_hidden_layer`` (1-based)
+    at the position that sampled it, read by a forward hook on the very forwards that decode.
     """
     params = SamplingParams(temperature, top_k, top_p)
     if record_prompt and not record_top_k:
         raise ValueError("record_prompt needs record_top_k > 0")
+    layers = getattr(target, target.base_model_prefix).layers
+    if not 0 <= record_hidden_layer <= len(layers):
+        raise ValueError(f"record_hidden_layer={record_hidden_layer}: the target has {len(layers)} decoder layers")
+    if record_hidden_layer and record_prompt:
+        raise ValueError("record_hidden_layer records reply positions only: not with record_prompt")
+    captured: dict[str, torch.Tensor] = {}
+    hook = None
+    if record_hidden_layer:
+        hook = layers[record_hidden_layer - 1].register_forward_hook(
+            lambda _module, _args, output: captured.__setitem__("h", output[0] if isinstance(output, tuple) else output))
+    try:
+        yield from _generate_stream(target, batches, max_active_rows, max_new_tokens, eos_token_id, params, seed,
+                                    stop_sequences, record_top_k, record_prompt, captured if hook else None)
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
+def _generate_stream(target, batches, max_active_rows, max_new_tokens, eos_token_id, params, seed, stop_sequences,
+                     record_top_k, record_prompt, captured):
+    """``target_generate_stream``'s loop; ``captured`` (or None) is where the hidden-state hook writes."""
     if max_active_rows < 1:
         raise ValueError("max_active_rows must be >= 1")
     source = iter(batches)
@@ -584,12 +611,17 @@ def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]
                 first = _prefill_recording(joining, prompts, record_top_k, outputs[index])
             else:
                 first = joining.feed([list(p) for p in prompts], last_only=True)
+            if captured is not None:  # each prompt's last position (rows are right-padded in the prefill)
+                first_hidden = torch.stack([captured["h"][b, len(p) - 1] for b, p in enumerate(prompts)])
             if pool is None:
                 pool, last = joining, first
                 pool.max_spare_slots, pool.compact_above = POOL_SPARE_SLOTS, 0
+                last_hidden = first_hidden if captured is not None else None
             else:
                 pool.absorb(joining)
                 last = torch.cat([last, first])
+                if captured is not None:
+                    last_hidden = torch.cat([last_hidden, first_hidden])
             rows += [(index, r) for r in range(len(prompts))]
             generators += [None if seed is None else torch.Generator().manual_seed(
                 (seed * 1_000_003 + index) * 65_537 + r) for r in range(len(prompts))]
@@ -599,6 +631,9 @@ def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]
             top_ids, top_logp = teacher_topk(last, record_top_k)
             for s, (index, r) in enumerate(rows):
                 outputs[index][r].teacher.append((top_ids[s], top_logp[s]))
+        if captured is not None:
+            for s, (index, r) in enumerate(rows):
+                outputs[index][r].hidden.append(last_hidden[s].clone())
         feed, still = [], []
         tokens = sample_tokens(last, params, None if seed is None else generators)
         for s, ((index, r), token) in enumerate(zip(rows, tokens)):
@@ -625,6 +660,8 @@ def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]
                 continue
             pool.select(still)
         last = pool.feed(feed, last_only=True)
+        if captured is not None:
+            last_hidden = captured["h"][:, 0]  # one new token per row
 
 
 PREFILL_CHUNK = 64  # positions per prefill forward when prompt logits are kept: B × 64 × V floats at most

@@ -40,7 +40,7 @@ from .data import (
     split_records,
     target_generated_dataset,
 )
-from .losses import distill_loss, teacher_topk
+from .losses import distill_loss, hidden_state_loss, teacher_topk
 from .models import DRAFT_VOCAB_FILE, build_draft, check_pair, load_model, load_tokenizer, size_report
 
 
@@ -55,21 +55,35 @@ class DraftLoss(nn.Module):
     one chunk at a time, never for the whole B×L batch.
     """
 
-    def __init__(self, draft: nn.Module):
+    def __init__(self, draft: nn.Module, hidden_match: dict | None = None):
         super().__init__()
         self.draft = draft
+        # train.hidden_weight: a linear map from the draft's state after layer ``draft_layer`` to the target's
+        # stored state (standardised by the training set's per-channel mean / std). Trained, never saved with the draft.
+        self.draft_layer = 0
+        if hidden_match is not None:
+            self.draft_layer = hidden_match["draft_layer"]
+            self.hidden_map = nn.Linear(draft.config.hidden_size, hidden_match["mean"].numel())
+            self.register_buffer("hidden_mean", hidden_match["mean"].float())
+            self.register_buffer("hidden_std", hidden_match["std"].float())
 
     def base(self):
         return self.draft.get_base_model() if hasattr(self.draft, "get_base_model") else self.draft
 
     def forward(self, input_ids, attention_mask, select, teacher, labels, kind, beta, temperature, ce_weight,
-                chunk_size, vocab_ids=None):
+                chunk_size, vocab_ids=None, teacher_hidden=None, hidden_weight=0.0):
         base = self.base()
         body = getattr(base, base.base_model_prefix)
-        hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        out = body(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=teacher_hidden is not None)
         head = base.get_output_embeddings().weight
-        return distill_loss(hidden[:, :-1][select], head, teacher, labels, kind, beta, temperature, ce_weight,
-                            chunk_size, vocab_ids)
+        loss = distill_loss(out.last_hidden_state[:, :-1][select], head, teacher, labels, kind, beta, temperature,
+                            ce_weight, chunk_size, vocab_ids)
+        if teacher_hidden is not None:
+            # hidden_states[j] is the output of layer j (1-based) for j below the last; the last entry is normed.
+            state = out.hidden_states[self.draft_layer][:, :-1][select]
+            loss = loss + hidden_weight * hidden_state_loss(self.hidden_map(state), teacher_hidden,
+                                                            self.hidden_mean, self.hidden_std)
+        return loss
 
 
 # ---------------------------------------------------------------- data
@@ -174,8 +188,35 @@ def training_rows(cfg: DistillConfig, target, tokenizer, accelerator):
     with accelerator.main_process_first():
         generated = target_generated_dataset(target, tokenizer, cfg.target.path, cfg.data, cfg.generate)
     if cfg.train.data_mode == "cache" and cfg.generate.teacher_top_k:
-        return generated_to_teacher_rows(generated, cfg.train.seq_len, cfg.train.cache_top_k, cfg.train.prompt_loss)
+        return generated_to_teacher_rows(generated, cfg.train.seq_len, cfg.train.cache_top_k, cfg.train.prompt_loss,
+                                         hidden=cfg.train.hidden_weight > 0)
     return generated_to_training(generated)
+
+
+def stored_hidden_states(rows) -> tuple[torch.Tensor, list[int]]:
+    """The rows' stored target states (``hidden``) as one (N, d) fp16 tensor, read straight from Arrow (a
+    Python list per token would take minutes for a full preset), and each row's first index into it."""
+    import numpy as np
+
+    outer = rows.with_format("arrow")[:]["hidden"].combine_chunks()
+    per_row = np.diff(outer.offsets.to_numpy())
+    tokens = outer.flatten()
+    width = tokens.value_lengths().to_numpy()
+    if len(width) and (width != width[0]).any():
+        raise ValueError("the stored hidden states differ in width between tokens: the generated set is corrupt")
+    values = tokens.flatten().to_numpy(zero_copy_only=False)
+    states = torch.from_numpy(values.reshape(len(width), int(width[0]) if len(width) else 0).copy())
+    starts = [0, *np.cumsum(per_row).tolist()]
+    for i, row in enumerate(rows.select_columns(["loss_mask"])):
+        if sum(row["loss_mask"]) != per_row[i]:
+            raise ValueError(f"row {i}: {per_row[i]} stored hidden states for {sum(row['loss_mask'])} loss tokens")
+    return states, starts[:-1]
+
+
+def draft_match_layer(draft_layers: int, target_layer: int, target_layers: int) -> int:
+    """The draft layer at the target layer's relative depth (1-based; at most the second to last, whose output is
+    un-normed: ``hidden_states``' last entry is after the final norm), for ``train.hidden_weight``."""
+    return max(1, min(round(draft_layers * target_layer / target_layers), max(draft_layers - 1, 1)))
 
 
 def build_teacher_cache(target, rows, cfg, pad_id: int, out_dir: Path):
@@ -419,6 +460,16 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
     rows = training_rows(cfg, target, tokenizer, accelerator)
     if tc.max_train_rows:
         rows = rows.select(range(min(tc.max_train_rows, len(rows))))
+    hidden_match, target_states = None, None
+    if tc.hidden_weight:
+        target_states, state_starts = stored_hidden_states(rows)
+        rows = rows.remove_columns("hidden")  # read from target_states: a batch never builds them as lists
+        sample = target_states[torch.randperm(len(target_states), generator=torch.Generator().manual_seed(0))[:65536]]
+        hidden_match = {"draft_layer": draft_match_layer(draft.config.num_hidden_layers, cfg.generate.teacher_hidden_layer,
+                                                         target.config.num_hidden_layers),
+                        "mean": sample.float().mean(0), "std": sample.float().std(0).clamp_min(1e-3)}
+        accelerator.print(f"train.hidden_weight={tc.hidden_weight}: draft layer {hidden_match['draft_layer']} matched to "
+                          f"target layer {cfg.generate.teacher_hidden_layer} on {len(target_states):,} stored states")
     evalset = eval_set(target, tokenizer, cfg) if accelerator.is_main_process else None
     if tc.data_mode == "cache":
         if "topk_ids" not in rows.column_names:  # no teacher stored at generation: one target pass over the set
@@ -442,7 +493,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
                           f"{coverage:.1%} of the loss tokens; each step adds its labels and {tc.head_negatives} "
                           f"random tokens (of {vocab_size:,})")
 
-    module = DraftLoss(draft)
+    module = DraftLoss(draft, hidden_match)
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     state = {"step": 0, "tokens": 0, "nonfinite_total": 0, "nonfinite_run": 0, "elapsed_s": 0.0}
@@ -503,7 +554,8 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
             t0 = time.perf_counter()
             micro_batches = []
             for micro in range(tc.grad_accum):
-                batch_rows = [rows[i] for i in micro_batch_rows(step, micro, tc, world, rank, num_rows, lengths)]
+                indices = micro_batch_rows(step, micro, tc, world, rank, num_rows, lengths)
+                batch_rows = [rows[i] for i in indices]
                 if tc.data_mode == "onpolicy" and random.Random(tc.seed * 7919 + step).random() < tc.onpolicy_fraction:
                     batch_rows = sample_onpolicy(base_draft, batch_rows, tokenizer, tc.onpolicy_new_tokens, tc.seq_len)
                 batch = pad_batch(batch_rows, tc.seq_len, tokenizer.pad_token_id)
@@ -512,6 +564,9 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
                                                     ((tc.seed * 1_000_003 + step) * 64 + micro) * world + rank)
                 if tc.data_mode == "cache":
                     batch["teacher"] = stored_teacher(batch_rows, tc.cache_top_k)
+                if target_states is not None:  # rows are cut at seq_len already (generated_to_teacher_rows)
+                    batch["teacher_hidden"] = torch.cat([target_states[state_starts[i]: state_starts[i] + int(
+                        sum(batch_rows[j]["loss_mask"]))] for j, i in enumerate(indices)])
                 micro_batches.append(on_device(batch, accelerator.device))
             # Normalise by the loss tokens of the whole window on all processes (not per micro-batch mean).
             local_tokens = torch.tensor(sum(int(b["select"].sum()) for b in micro_batches), dtype=torch.float64)
@@ -535,7 +590,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
                 with sync:
                     loss_sum = module(batch["input_ids"], batch["attention_mask"], batch["select"], teacher,
                                       batch["labels"], kind, tc.beta, tc.temperature, ce_weight, tc.chunk_size,
-                                      batch.get("vocab_ids"))
+                                      batch.get("vocab_ids"), batch.get("teacher_hidden"), tc.hidden_weight)
                     loss = loss_sum * world / max(window_tokens, 1.0)
                     if step in tc.inject_nan_steps:
                         loss = loss * float("nan")

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdistill.acceptance import (
+    alpha_needed,
     best_gamma,
     expected_speedup,
     expected_tau,
@@ -65,3 +66,30 @@ def test_speedup_and_best_gamma():
     assert gamma >= 5 and speed > 2
     gamma_slow, _ = best_gamma(0.3, 0.5, {g: 1.0 for g in range(1, 11)})
     assert gamma_slow == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(0.5, 3.0), st.floats(0.0, 0.5), st.lists(st.floats(1.0, 2.0), min_size=1, max_size=8))
+def test_alpha_needed_is_the_smallest_alpha_that_reaches_the_speedup(speedup, cost, verify_list):
+    verify = {g + 1: v for g, v in enumerate(verify_list)}
+    found = alpha_needed(speedup, cost, verify)
+    reachable = [g for g, v in verify.items() if expected_speedup(g + 1.0, g, cost, v) >= speedup]
+    if not reachable:
+        assert found is None
+        return
+    alpha, gamma = found
+    assert gamma in reachable
+    assert expected_speedup(expected_tau(alpha, gamma), gamma, cost, verify[gamma]) >= speedup - 1e-9
+    below = max(alpha - 1e-3, 0.0)
+    if alpha > 1e-3:  # a little less α misses the speedup at every γ
+        assert all(expected_speedup(expected_tau(below, g), g, cost, v) < speedup for g, v in verify.items())
+
+
+def test_alpha_needed_known_values():
+    # GPU-like: free draft, free verify. Break-even needs nothing; 2x at γ=1 needs α = 1.
+    assert alpha_needed(1.0, 0.0, {1: 1.0})[0] == pytest.approx(0.0, abs=1e-5)
+    assert alpha_needed(2.0, 0.0, {1: 1.0})[0] == pytest.approx(1.0, abs=1e-5)
+    # 1.5x at γ=1 with c=0, v=1: τ = 1 + α = 1.5.
+    assert alpha_needed(1.5, 0.0, {1: 1.0}) == (pytest.approx(0.5, abs=1e-5), 1)
+    # A verify that costs 3 steps can never pay at γ=1 (τ ≤ 2).
+    assert alpha_needed(1.0, 0.0, {1: 3.0}) is None

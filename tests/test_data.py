@@ -270,3 +270,43 @@ def test_generation_stores_the_teacher_at_prompt_positions(tmp_path, monkeypatch
     with pytest.raises(ConfigError, match="train.prompt_loss"):
         load_config(DistillConfig, None, ["train.prompt_loss=true", "train.data_mode=cache",
                                           "generate.teacher_top_k=64"])
+
+
+def test_generation_stores_the_targets_hidden_state_behind_each_reply_token(tmp_path, tiny_tokenizer, tiny_target):
+    """generate.teacher_hidden_layer: the stored state is layer L's output of a full forward over prompt + reply, at
+    the position that predicts each reply token, also with rows joining and leaving a pool (max_active_rows)."""
+    import torch
+
+    from specdistill.trainer import pad_batch, stored_hidden_states
+
+    prompts = [(f"p{i}", [{"role": "user", "content": "word " * (i % 5 + 1)}]) for i in range(7)]
+    kwargs = {"max_prompt_tokens": 64, "max_new_tokens": 6, "batch_size": 3, "temperature": 1.0, "teacher_top_k": 4,
+              "max_active_rows": 5}
+    stored = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "hidden", teacher_hidden_layer=1,
+                                **kwargs)
+    rows = generated_to_teacher_rows(stored, seq_len=10_000, top_k=4, hidden=True)
+    captured = {}
+    hook = tiny_target.model.layers[0].register_forward_hook(lambda m, a, out: captured.__setitem__("h", out))
+    try:
+        for row in rows:
+            batch = pad_batch([row], 10_000, tiny_tokenizer.pad_token_id)
+            with torch.inference_mode():
+                tiny_target(input_ids=batch["input_ids"])
+            want = captured["h"][0, :-1][batch["select"][0]]
+            torch.testing.assert_close(torch.tensor(row["hidden"]), want, atol=3e-3, rtol=3e-3)  # stored as fp16
+    finally:
+        hook.remove()
+    # Read back in one piece (trainer.stored_hidden_states): the same states, row by row.
+    states, starts = stored_hidden_states(rows)
+    assert states.dtype == torch.float16 and states.shape[1] == tiny_target.config.hidden_size
+    for row, start in zip(rows, starts):
+        assert torch.equal(states[start: start + len(row["hidden"])], torch.tensor(row["hidden"]).half())
+    # A reply cut by seq_len keeps exactly its kept positions' states.
+    cut_len = len(stored[0]["prompt_ids"]) + 2
+    for row in generated_to_teacher_rows(stored, seq_len=cut_len, top_k=4, hidden=True):
+        assert len(row["hidden"]) == sum(row["loss_mask"])
+    plain = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "plain", **kwargs)
+    with pytest.raises(DataError, match="teacher_hidden_layer"):
+        generated_to_teacher_rows(plain, seq_len=64, top_k=4, hidden=True)
+    with pytest.raises(ValueError, match="decoder layers"):
+        generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "deep", teacher_hidden_layer=9, **kwargs)

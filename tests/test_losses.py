@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdistill.losses import DIVERGENCES, distill_loss, teacher_topk, token_divergence
+from specdistill.losses import DIVERGENCES, distill_loss, hidden_state_loss, teacher_topk, token_divergence
 
 
 def logits(seed, n=6, v=11, scale=3.0):
@@ -117,3 +117,16 @@ def test_reduced_vocab_loss_is_exact_with_every_token_and_matches_a_smaller_head
     outside[narrow] = False
     assert torch.isfinite(loss) and torch.isfinite(head.grad).all()
     assert head.grad[outside].abs().sum() == 0 and head.grad[narrow].abs().sum() > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.integers(0, 6))
+def test_hidden_state_loss_zero_when_matched_and_equal_to_a_standardised_mse(seed, tokens):
+    g = torch.Generator().manual_seed(seed)
+    mean, std = torch.randn(8, generator=g), torch.rand(8, generator=g) + 0.1
+    teacher = (torch.randn(tokens, 8, generator=g) * 30).half()  # massive channels, stored in fp16
+    matched = (teacher.float() - mean) / std
+    assert hidden_state_loss(matched, teacher, mean, std).item() == pytest.approx(0.0, abs=1e-6)
+    off = matched + 0.5
+    assert hidden_state_loss(off, teacher, mean, std).item() == pytest.approx(0.25 * tokens, rel=1e-5)
+    assert hidden_state_loss(torch.zeros(0, 8), teacher[:0], mean, std).item() == 0.0  # no tokens: 0, not NaN

@@ -328,3 +328,32 @@ def test_two_process_gloo_matches_single(tiny_pair_dir, conversations, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "world_size=2" in proc.stdout + proc.stderr or (double / "run.json").read_text().count('"num_processes": 2')
     assert train_losses(double) == pytest.approx(train_losses(single), rel=1e-4)
+
+
+def test_hidden_state_matching_trains_resumes_bit_exact_and_saves_a_plain_draft(tiny_pair_dir, conversations, tmp_path,
+                                                                             monkeypatch):
+    """train.hidden_weight: the target's states stored at generation join the loss; the draft folder holds only the
+    draft (the map to the target's width stays in the checkpoints), and a killed run resumes to the same weights."""
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    shared = ["train.data_mode=cache", "generate.teacher_top_k=6", "train.cache_top_k=4", "generate.num_prompts=8",
+              "generate.max_new_tokens=8", "generate.batch_size=4", "generate.teacher_hidden_layer=1",
+              "train.max_steps=4", "train.eval_prompts=0", "draft.num_layers=2"]
+    plain = run(config(tiny_pair_dir, conversations, tmp_path / "plain", *shared))
+    matched = run(config(tiny_pair_dir, conversations, tmp_path / "hidden", *shared, "train.hidden_weight=1.0"))
+    assert len(list((tmp_path / "cache" / "generated").iterdir())) == 1  # both read one generated set
+    assert matched["steps"] == plain["steps"] == 4 and matched["loss_tokens"] == plain["loss_tokens"]
+    with_states, without = train_losses(tmp_path / "hidden"), train_losses(tmp_path / "plain")
+    assert all(math.isfinite(x) for x in with_states) and with_states[0] > without[0]  # the extra term is counted
+    saved = load_file(tmp_path / "hidden" / "draft" / "model.safetensors")
+    assert not any("hidden_map" in k for k in saved)
+
+    staged = run(config(tiny_pair_dir, conversations, tmp_path / "staged", *shared, "train.hidden_weight=1.0",
+                        "train.stop_at_step=2"))
+    assert staged["steps"] == 2
+    run(config(tiny_pair_dir, conversations, tmp_path / "staged", *shared, "train.hidden_weight=1.0"), resume=True)
+    resumed = load_file(tmp_path / "staged" / "draft" / "model.safetensors")
+    assert all(torch.equal(saved[k], resumed[k]) for k in saved)
+
+    with pytest.raises(ConfigError, match="hidden_weight: needs train.data_mode=cache and generate.teacher_hidden_layer"):
+        config(tiny_pair_dir, conversations, tmp_path / "bad", "train.data_mode=cache", "generate.teacher_top_k=6",
+               "train.cache_top_k=4", "train.hidden_weight=1.0")
