@@ -585,6 +585,7 @@ def _generate_stream(target, batches, max_active_rows, max_new_tokens, eos_token
     widest = 0  # rows in the largest batch so far: a batch is pulled only when one that size would fit
     pool: _CachedModel | None = None
     last: torch.Tensor | None = None
+    last_hidden: torch.Tensor | None = None  # with ``captured``: the hooked layer's state behind ``last``
     rows: list[tuple[int, int]] = []  # (batch index, row in batch) per pool row
     generators: list[torch.Generator | None] = []
     started: dict[int, float] = {}
