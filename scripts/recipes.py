@@ -86,6 +86,9 @@ RECIPES = {
     # same relative depth through a trained linear map (standardised MSE, weight 1) on top of the stored top-64.
     # Pass generate.teacher_hidden_layer=15 to every recipe so that they all share one generated set.
     "fkl-cache-hv16k-hidden": [*FKL_CACHE_HV16K, "generate.teacher_hidden_layer=15", "train.hidden_weight=1.0"],
+    # The same at a third and at three times the weight.
+    "fkl-cache-hv16k-hidden-w0.3": [*FKL_CACHE_HV16K, "generate.teacher_hidden_layer=15", "train.hidden_weight=0.3"],
+    "fkl-cache-hv16k-hidden-w3": [*FKL_CACHE_HV16K, "generate.teacher_hidden_layer=15", "train.hidden_weight=3.0"],
 }
 
 
@@ -113,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     state = json.loads(state_path.read_text()) if state_path.is_file() else {"runs": {}}
     # A huge step cap makes the clock the only budget, so every recipe anneals over the same minutes;
     # trailing overrides come last, so they can still cap steps (the tests do).
+    # hidden_weight=0 first: a recipe that does not name the hidden-state term trains without it, whatever the
+    # preset says (the quick preset has it on since 2026-12-07, and CE / live-teacher recipes cannot use it).
     budget = [f"train.max_minutes={args.minutes}", "train.max_steps=1000000", "train.eval_prompts=0",
-              "train.save_every=100000"]
+              "train.save_every=100000", "train.hidden_weight=0"]
     drafts = {}
     for name in names:
         run_dir = out / name
