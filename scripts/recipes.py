@@ -33,6 +33,7 @@ from specdistill.trainer import run as train_run
 # name -> overrides on top of the config. CE is the SFT / sequence-level KD baseline on the same replies.
 # Each names its data mode, so a preset's own choice never changes what a recipe means.
 FKL_CACHE_HV16K = ["train.objective=distill", "train.loss=fkl", "train.data_mode=cache", "train.head_vocab=16384"]
+FKL_CACHE_HV16K_HIDDEN = [*FKL_CACHE_HV16K, "generate.teacher_hidden_layer=15"]  # + a train.hidden_weight
 RECIPES = {
     "ce": ["train.objective=ce", "train.data_mode=generated"],
     "fkl": ["train.objective=distill", "train.loss=fkl", "train.data_mode=generated"],
@@ -85,10 +86,10 @@ RECIPES = {
     # The target's residual stream after layer 15 of 30, stored at generation, matched by the draft's state at the
     # same relative depth through a trained linear map (standardised MSE, weight 1) on top of the stored top-64.
     # Pass generate.teacher_hidden_layer=15 to every recipe so that they all share one generated set.
-    "fkl-cache-hv16k-hidden": [*FKL_CACHE_HV16K, "generate.teacher_hidden_layer=15", "train.hidden_weight=1.0"],
+    "fkl-cache-hv16k-hidden": [*FKL_CACHE_HV16K_HIDDEN, "train.hidden_weight=1.0"],
     # The same at a third and at three times the weight.
-    "fkl-cache-hv16k-hidden-w0.3": [*FKL_CACHE_HV16K, "generate.teacher_hidden_layer=15", "train.hidden_weight=0.3"],
-    "fkl-cache-hv16k-hidden-w3": [*FKL_CACHE_HV16K, "generate.teacher_hidden_layer=15", "train.hidden_weight=3.0"],
+    "fkl-cache-hv16k-hidden-w0.3": [*FKL_CACHE_HV16K_HIDDEN, "train.hidden_weight=0.3"],
+    "fkl-cache-hv16k-hidden-w3": [*FKL_CACHE_HV16K_HIDDEN, "train.hidden_weight=3.0"],
 }
 
 

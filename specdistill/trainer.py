@@ -195,7 +195,8 @@ def training_rows(cfg: DistillConfig, target, tokenizer, accelerator):
 
 def stored_hidden_states(rows) -> tuple[torch.Tensor, list[int]]:
     """The rows' stored target states (``hidden``) as one (N, d) fp16 tensor, read straight from Arrow (a
-    Python list per token would take minutes for a full preset), and each row's first index into it."""
+    Python list per token would take minutes for a full preset), and the row bounds into it: row i's states are
+    ``states[bounds[i]: bounds[i + 1]]``."""
     import numpy as np
 
     outer = rows.with_format("arrow")[:]["hidden"].combine_chunks()
@@ -206,11 +207,10 @@ def stored_hidden_states(rows) -> tuple[torch.Tensor, list[int]]:
         raise ValueError("the stored hidden states differ in width between tokens: the generated set is corrupt")
     values = tokens.flatten().to_numpy(zero_copy_only=False)
     states = torch.from_numpy(values.reshape(len(width), int(width[0]) if len(width) else 0).copy())
-    starts = [0, *np.cumsum(per_row).tolist()]
     for i, row in enumerate(rows.select_columns(["loss_mask"])):
         if sum(row["loss_mask"]) != per_row[i]:
             raise ValueError(f"row {i}: {per_row[i]} stored hidden states for {sum(row['loss_mask'])} loss tokens")
-    return states, starts[:-1]
+    return states, [0, *np.cumsum(per_row).tolist()]
 
 
 def draft_match_layer(draft_layers: int, target_layer: int, target_layers: int) -> int:
@@ -462,7 +462,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
         rows = rows.select(range(min(tc.max_train_rows, len(rows))))
     hidden_match, target_states = None, None
     if tc.hidden_weight:
-        target_states, state_starts = stored_hidden_states(rows)
+        target_states, state_bounds = stored_hidden_states(rows)
         rows = rows.remove_columns("hidden")  # read from target_states: a batch never builds them as lists
         sample = target_states[torch.randperm(len(target_states), generator=torch.Generator().manual_seed(0))[:65536]]
         hidden_match = {"draft_layer": draft_match_layer(draft.config.num_hidden_layers, cfg.generate.teacher_hidden_layer,
@@ -565,8 +565,8 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
                 if tc.data_mode == "cache":
                     batch["teacher"] = stored_teacher(batch_rows, tc.cache_top_k)
                 if target_states is not None:  # rows are cut at seq_len already (generated_to_teacher_rows)
-                    batch["teacher_hidden"] = torch.cat([target_states[state_starts[i]: state_starts[i] + int(
-                        sum(batch_rows[j]["loss_mask"]))] for j, i in enumerate(indices)])
+                    batch["teacher_hidden"] = torch.cat([target_states[state_bounds[i]: state_bounds[i + 1]]
+                                                         for i in indices])
                 micro_batches.append(on_device(batch, accelerator.device))
             # Normalise by the loss tokens of the whole window on all processes (not per micro-batch mean).
             local_tokens = torch.tensor(sum(int(b["select"].sum()) for b in micro_batches), dtype=torch.float64)

@@ -297,10 +297,11 @@ def test_generation_stores_the_targets_hidden_state_behind_each_reply_token(tmp_
     finally:
         hook.remove()
     # Read back in one piece (trainer.stored_hidden_states): the same states, row by row.
-    states, starts = stored_hidden_states(rows)
+    states, bounds = stored_hidden_states(rows)
     assert states.dtype == torch.float16 and states.shape[1] == tiny_target.config.hidden_size
-    for row, start in zip(rows, starts):
-        assert torch.equal(states[start: start + len(row["hidden"])], torch.tensor(row["hidden"]).half())
+    assert len(bounds) == len(rows) + 1 and bounds[-1] == len(states)
+    for i, row in enumerate(rows):
+        assert torch.equal(states[bounds[i]: bounds[i + 1]], torch.tensor(row["hidden"]).half())
     # A reply cut by seq_len keeps exactly its kept positions' states.
     cut_len = len(stored[0]["prompt_ids"]) + 2
     for row in generated_to_teacher_rows(stored, seq_len=cut_len, top_k=4, hidden=True):
