@@ -6,6 +6,8 @@ Per step, medians after 2 warm-up steps: collation (Arrow rows -> tensors), the 
 LM head + loss forward, the backward, the optimiser step (AdamW, as in training) — with the softmax over the
 full vocabulary, then for each ``--vocab N`` over ``train.head_vocab=N``'s support (the N most frequent reply
 tokens, the step's labels and ``train.head_negatives`` random ones), exactly as the trainer builds it.
+With ``train.hidden_weight`` (the quick preset) the step includes the hidden-state term as the trainer computes it:
+the stored states are gathered in collation, the map and its MSE count in the head + loss phase.
 Needs the generated set the preset trains on
 (``train.data_mode=cache``): run the preset or ``make demo`` once first. Writes ``profile.json`` to --out.
 """
@@ -25,11 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specdistill.config import DistillConfig, load_config, record_run
 from specdistill.data import generated_dir, generated_to_teacher_rows, load_generated
-from specdistill.losses import distill_loss
+from specdistill.losses import distill_loss, hidden_state_loss
 from specdistill.models import build_draft, load_model, load_tokenizer
 from specdistill.trainer import (
     DraftLoss,
     frequent_tokens,
+    hidden_matching,
     micro_batch_rows,
     pad_batch,
     row_lengths,
@@ -40,14 +43,14 @@ from specdistill.trainer import (
 PHASES = ("collate", "body_forward", "head_loss_forward", "backward", "optimizer")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/smollm2-135m-quick.yaml")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--vocab", default="16384,8192", help="train.head_vocab values to time after the full softmax")
     parser.add_argument("--out", type=Path, default=Path("runs/profile-step"))
     parser.add_argument("overrides", nargs="*", help="key=value config overrides, as for distill.py")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.steps < 3:
         parser.error("--steps must be >= 3 (2 are warm-up)")
     cfg = load_config(DistillConfig, args.config, args.overrides)
@@ -61,9 +64,15 @@ def main() -> int:
 
     target = load_model(cfg.target.path, cfg.target.dtype)
     draft = build_draft(target, cfg.draft)
+    target_depth = target.config.num_hidden_layers
     del target
-    rows = generated_to_teacher_rows(load_generated(folder), tc.seq_len, tc.cache_top_k, tc.prompt_loss)
-    module = DraftLoss(draft).train()
+    rows = generated_to_teacher_rows(load_generated(folder), tc.seq_len, tc.cache_top_k, tc.prompt_loss,
+                                     hidden=bool(tc.hidden_weight))
+    match = states = None
+    if tc.hidden_weight:
+        rows, states, bounds, match = hidden_matching(rows, draft.config.num_hidden_layers,
+                                                      cfg.generate.teacher_hidden_layer, target_depth)
+    module = DraftLoss(draft, match).train()
     body = getattr(draft, draft.base_model_prefix)
     head = draft.get_output_embeddings().weight
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=tc.lr,
@@ -72,7 +81,7 @@ def main() -> int:
     vocabs = [0] + [int(v) for v in args.vocab.split(",") if v and int(v) < full_vocab]  # 0: the full softmax
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.bf16)
     report = {"config": args.config, "overrides": args.overrides, "steps": args.steps, "rows": len(rows),
-              "batch_size": tc.batch_size, "bf16": tc.bf16, "results": []}
+              "batch_size": tc.batch_size, "bf16": tc.bf16, "hidden_weight": tc.hidden_weight, "results": []}
     pad_id = load_tokenizer(cfg.target.path).pad_token_id
     lengths = row_lengths(rows, tc)
     for vocab in vocabs:
@@ -81,18 +90,26 @@ def main() -> int:
         loss_tokens, support = [], []
         for step in range(args.steps):  # the same batches for every head size
             t0 = time.perf_counter()
-            batch_rows = [rows[i] for i in micro_batch_rows(step, 0, tc, 1, 0, len(rows), lengths)]
+            indices = micro_batch_rows(step, 0, tc, 1, 0, len(rows), lengths)
+            batch_rows = [rows[i] for i in indices]
             batch = pad_batch(batch_rows, tc.seq_len, pad_id)
             ids, logp = stored_teacher(batch_rows, tc.cache_top_k)
+            if match is not None:
+                teacher_hidden = torch.cat([states[bounds[i]: bounds[i + 1]] for i in indices])
             vocab_ids = None if frequent is None else step_vocab(frequent, batch["labels"], tc.head_negatives,
                                                                  full_vocab, step)
             t1 = time.perf_counter()
             with autocast:
-                hidden = body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+                out = body(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           output_hidden_states=match is not None)
                 t2 = time.perf_counter()
-                selected = hidden[:, :-1][batch["select"]]
+                selected = out.last_hidden_state[:, :-1][batch["select"]]
                 loss = distill_loss(selected, head, (ids, logp), batch["labels"], tc.loss, tc.beta,
                                     tc.temperature, tc.ce_weight, tc.chunk_size, vocab_ids)
+                if match is not None:  # as DraftLoss.forward adds it
+                    state = out.hidden_states[module.draft_layer][:, :-1][batch["select"]]
+                    loss = loss + tc.hidden_weight * hidden_state_loss(module.hidden_map(state), teacher_hidden,
+                                                                       module.hidden_mean, module.hidden_std)
                 loss = loss / max(int(batch["select"].sum()), 1)
             t3 = time.perf_counter()
             loss.backward()

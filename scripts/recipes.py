@@ -90,6 +90,9 @@ RECIPES = {
     # The same at a third and at three times the weight.
     "fkl-cache-hv16k-hidden-w0.3": [*FKL_CACHE_HV16K_HIDDEN, "train.hidden_weight=0.3"],
     "fkl-cache-hv16k-hidden-w3": [*FKL_CACHE_HV16K_HIDDEN, "train.hidden_weight=3.0"],
+    # The full preset's 4 x 384 draft with the term (its layer 2 of 4 matched to the target's 15 of 30).
+    "fkl-cache-hv16k-hidden-4x384": [*FKL_CACHE_HV16K_HIDDEN, "train.hidden_weight=1.0", "draft.num_layers=4",
+                                     "draft.hidden_size=384"],
 }
 
 

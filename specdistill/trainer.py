@@ -78,12 +78,14 @@ class DraftLoss(nn.Module):
         head = base.get_output_embeddings().weight
         loss = distill_loss(out.last_hidden_state[:, :-1][select], head, teacher, labels, kind, beta, temperature,
                             ce_weight, chunk_size, vocab_ids)
+        hidden = torch.zeros((), device=loss.device)
         if teacher_hidden is not None:
             # hidden_states[j] is the output of layer j (1-based) for j below the last; the last entry is normed.
             state = out.hidden_states[self.draft_layer][:, :-1][select]
-            loss = loss + hidden_weight * hidden_state_loss(self.hidden_map(state), teacher_hidden,
-                                                            self.hidden_mean, self.hidden_std)
-        return loss
+            hidden = hidden_state_loss(self.hidden_map(state), teacher_hidden, self.hidden_mean, self.hidden_std)
+            loss = loss + hidden_weight * hidden
+        # The unweighted hidden-state sum rides along detached, so the log can show the two terms apart.
+        return loss, hidden.detach()
 
 
 # ---------------------------------------------------------------- data
@@ -217,6 +219,18 @@ def draft_match_layer(draft_layers: int, target_layer: int, target_layers: int) 
     """The draft layer at the target layer's relative depth (1-based; at most the second to last, whose output is
     un-normed: ``hidden_states``' last entry is after the final norm), for ``train.hidden_weight``."""
     return max(1, min(round(draft_layers * target_layer / target_layers), max(draft_layers - 1, 1)))
+
+
+def hidden_matching(rows, draft_depth: int, target_layer: int, target_depth: int):
+    """``rows`` without their stored target states, those states as one (N, d) tensor with each row's bounds, and
+    what ``DraftLoss`` needs to match them: the draft layer at the same relative depth and the states' per-channel
+    mean / std (from up to 65,536 of them, a fixed sample)."""
+    states, bounds = stored_hidden_states(rows)
+    rows = rows.remove_columns("hidden")  # read from the tensor: a batch never builds them as lists
+    sample = states[torch.randperm(len(states), generator=torch.Generator().manual_seed(0))[:65536]].float()
+    match = {"draft_layer": draft_match_layer(draft_depth, target_layer, target_depth),
+             "mean": sample.mean(0), "std": sample.std(0).clamp_min(1e-3)}
+    return rows, states, bounds, match
 
 
 def build_teacher_cache(target, rows, cfg, pad_id: int, out_dir: Path):
@@ -462,12 +476,8 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
         rows = rows.select(range(min(tc.max_train_rows, len(rows))))
     hidden_match, target_states = None, None
     if tc.hidden_weight:
-        target_states, state_bounds = stored_hidden_states(rows)
-        rows = rows.remove_columns("hidden")  # read from target_states: a batch never builds them as lists
-        sample = target_states[torch.randperm(len(target_states), generator=torch.Generator().manual_seed(0))[:65536]]
-        hidden_match = {"draft_layer": draft_match_layer(draft.config.num_hidden_layers, cfg.generate.teacher_hidden_layer,
-                                                         target.config.num_hidden_layers),
-                        "mean": sample.float().mean(0), "std": sample.float().std(0).clamp_min(1e-3)}
+        rows, target_states, state_bounds, hidden_match = hidden_matching(
+            rows, draft.config.num_hidden_layers, cfg.generate.teacher_hidden_layer, target.config.num_hidden_layers)
         accelerator.print(f"train.hidden_weight={tc.hidden_weight}: draft layer {hidden_match['draft_layer']} matched to "
                           f"target layer {cfg.generate.teacher_hidden_layer} on {len(target_states):,} stored states")
     evalset = eval_set(target, tokenizer, cfg) if accelerator.is_main_process else None
@@ -518,7 +528,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
     previous = signal.signal(signal.SIGTERM, on_signal)
     kind = tc.loss if tc.objective == "distill" else "fkl"
     ce_weight = 1.0 if tc.objective == "ce" else tc.ce_weight
-    history = []
+    history = restore_history(out, state["step"]) if accelerator.is_main_process else []
     base_draft = accelerator.unwrap_model(module).draft
 
     def log(row: dict):
@@ -571,7 +581,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
             # Normalise by the loss tokens of the whole window on all processes (not per micro-batch mean).
             local_tokens = torch.tensor(sum(int(b["select"].sum()) for b in micro_batches), dtype=torch.float64)
             window_tokens = accelerator.reduce(local_tokens.to(accelerator.device), reduction="sum").item()
-            step_loss = 0.0
+            step_loss = step_hidden = 0.0
             for i, batch in enumerate(micro_batches):
                 if "teacher" in batch:
                     teacher = batch["teacher"]
@@ -588,17 +598,20 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
                     teacher = (teacher[0].clone(), teacher[1].clone())
                 sync = accelerator.no_sync(module) if i < len(micro_batches) - 1 else contextlib.nullcontext()
                 with sync:
-                    loss_sum = module(batch["input_ids"], batch["attention_mask"], batch["select"], teacher,
-                                      batch["labels"], kind, tc.beta, tc.temperature, ce_weight, tc.chunk_size,
-                                      batch.get("vocab_ids"), batch.get("teacher_hidden"), tc.hidden_weight)
+                    loss_sum, hidden_sum = module(batch["input_ids"], batch["attention_mask"], batch["select"],
+                                                  teacher, batch["labels"], kind, tc.beta, tc.temperature, ce_weight,
+                                                  tc.chunk_size, batch.get("vocab_ids"), batch.get("teacher_hidden"),
+                                                  tc.hidden_weight)
                     loss = loss_sum * world / max(window_tokens, 1.0)
                     if step in tc.inject_nan_steps:
                         loss = loss * float("nan")
                     accelerator.backward(loss)
                 step_loss += loss.detach().float().item() / world
+                step_hidden += hidden_sum.float().item() / max(window_tokens, 1.0)
             # Each rank holds its share of the window's normalised loss: their sum is the step's loss.
-            step_loss = accelerator.reduce(torch.tensor(step_loss, dtype=torch.float64, device=accelerator.device),
-                                           reduction="sum").item()
+            step_loss, step_hidden = accelerator.reduce(
+                torch.tensor([step_loss, step_hidden], dtype=torch.float64, device=accelerator.device),
+                reduction="sum").tolist()
             finite = math.isfinite(step_loss)
             grad_norm = float("nan")
             if finite:
@@ -631,9 +644,13 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
                 torch.distributed.all_reduce(shared, op=torch.distributed.ReduceOp.MAX)
                 elapsed, stopping = float(shared[0].item()), int(shared[1].item()) or None
             state["elapsed_s"] = elapsed
-            log({"step": state["step"], "kind": "train", "loss": step_loss if finite else float("nan"),
-                 "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "loss_tokens": int(window_tokens),
-                 "tokens_per_s": seq_tokens / seconds, "elapsed_s": state["elapsed_s"]})
+            record = {"step": state["step"], "kind": "train", "loss": step_loss if finite else float("nan"),
+                      "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm, "loss_tokens": int(window_tokens),
+                      "tokens_per_s": seq_tokens / seconds, "elapsed_s": state["elapsed_s"]}
+            if target_states is not None:
+                # `loss` is the divergence plus hidden_weight × this, per loss token.
+                record["hidden_mse"] = step_hidden if finite else float("nan")
+            log(record)
             if state["step"] % tc.eval_every == 0 or state["step"] == tc.max_steps:
                 last_eval = evaluate(state["step"])
             clock = {}
@@ -681,6 +698,39 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
     return result
 
 
+def restore_history(out: Path, step: int) -> list[dict]:
+    """The metrics rows of ``out``'s CSVs up to ``step`` (the checkpoint a run resumes from; 0 when it starts
+    fresh), which the CSVs are cut back to: rows logged after that checkpoint, or by an earlier run in the same
+    folder, would otherwise appear twice in the CSVs and in curves.png."""
+    history = []
+    for kind in ("train", "eval"):
+        path = out / f"{kind}_metrics.csv"
+        if not path.is_file():
+            continue
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            kept = [row for row in reader if step and row.get("step", "").isdigit() and int(row["step"]) <= step]
+            fields = reader.fieldnames
+        if not kept:
+            path.unlink()
+            continue
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(kept)
+        for row in kept:
+            history.append({key: value if key == "kind" else int(value) if key == "step" else _number(value)
+                            for key, value in row.items()})
+    return sorted(history, key=lambda row: (row["step"], row["kind"] == "train"))
+
+
+def _number(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def plot_curves(history: list[dict], path: Path, title: str = "") -> None:
     import matplotlib
 
@@ -691,7 +741,11 @@ def plot_curves(history: list[dict], path: Path, title: str = "") -> None:
     evals = [r for r in history if r["kind"] == "eval"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     if train:
-        axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
+        axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, label="loss")
+        if any("hidden_mse" in r for r in train):
+            axes[0].plot([r["step"] for r in train], [r.get("hidden_mse", float("nan")) for r in train], lw=1,
+                         label="hidden-state MSE (inside the loss, × train.hidden_weight)")
+            axes[0].legend()
     axes[0].set(xlabel="step", ylabel="loss", title="training loss")
     if evals:
         steps = [r["step"] for r in evals]

@@ -53,3 +53,58 @@ def test_acceptance_points_follow_a_renamed_run_folder_and_are_plotted(tmp_path,
     assert [c["minutes"] for c in curves] == [[0.0, 1.0], [0.0, 1.0]] and curves[0]["alpha"] == [0.01, 0.1]
     results.plot_acceptance_vs_minutes(points, curves, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+def test_write_keeps_rows_and_points_of_folders_not_on_this_machine(tmp_path, monkeypatch):
+    """Run folders are git-ignored: regenerating on another machine must not drop the page's earlier rows."""
+    import json
+
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    here = Path("runs") / "here"
+    here.mkdir(parents=True)
+    (here / "config.yaml").write_text(yaml.safe_dump({"train": {"objective": "distill", "loss": "fkl"},
+                                                      "draft": {"init": "fresh", "num_layers": 2, "hidden_size": 8}}))
+    (here / "metrics.json").write_text(json.dumps({"steps": 7, "elapsed_s": 60.0, "loss_tokens": 100,
+                                                   "sizes": {"ratio_total": 0.1}}))
+    gone_run = "| `runs/gone` | ce | 10.0% (fresh, 2 × 8) | 5 | 1.0 | 50 | — | `python train.py` |"
+    gone_eval = "| `runs/gone/eval` | ce | 10.0% | 0.300 | 0.200 | 1.40 | 0.100 | 1 (0.90×) | `python eval.py` |"
+    gone_category = "| `runs/gone/eval` ce | 0.310 | 0.290 |"
+    gone_sweep = "`runs/gone-sweep`: best 2x8 (10.0%) at γ=3, measured 1.10× (expected 1.20×); table `x`, heatmap `y`"
+    gone_bench = ["6 prompts, batch 1 — `python scripts/bench_decode.py --target t --draft d --out runs/gone-bench`", "",
+                  "| method | median tok/s |", "|---|---|", "| ours target-only | 19.4 |"]
+    stale_here = "| `runs/here` | kd / fkl | 10.0% (fresh, 2 × 8) | 3 | 0.5 | 10 | — | `old command` |"
+    old_section = "\n".join([
+        results.BEGIN, "", "Generated from `runs`.", "", *results.training_section([])[:4], gone_run, stale_here, "",
+        *results.acceptance_section([])[:4], gone_eval, "", "Greedy α by MT-bench category:", "",
+        "| draft | coding | math |", "|---|---|---|", gone_category, "",
+        results.BENCH_TITLE, "", *gone_bench, "",
+        "### Draft-size × γ sweeps (scripts/sweep.py)", "", gone_sweep, "", results.END])
+    page = Path("results.md")
+    page.write_text("# Results\n\nhand-written analysis\n\n" + old_section + "\n\nmore analysis\n")
+    (Path("alpha_vs_minutes.json")).write_text(json.dumps({"points": [
+        {"minutes": 1.0, "alpha": 0.3, "alpha_t1": 0.2, "recipe": "ce / generated", "run": "runs/gone",
+         "report": "runs/gone/eval"}], "curves": []}))
+
+    assert results.main(["runs", "--write", str(page)]) == 0
+    text = page.read_text()
+    lines = text.splitlines()
+    assert text.startswith("# Results\n\nhand-written analysis") and text.endswith("more analysis\n")
+    for line in (gone_run, gone_eval, gone_category, gone_sweep):
+        assert lines.count(line) == 1, line
+    at = lines.index(gone_bench[0])
+    assert lines[at:at + len(gone_bench)] == gone_bench and lines.count(gone_bench[0]) == 1
+    assert results.BENCH_TITLE in lines[:at]
+    assert stale_here not in lines  # a folder that is here is regenerated, not carried
+    fresh_here = next(line for line in lines if line.startswith("| `runs/here` |"))
+    assert "| 7 | 1.0 | 100 |" in fresh_here
+    # Each carried row sits in its own table: right after that table's header rule or its rows.
+    assert lines[lines.index(gone_run) - 1] == fresh_here
+    assert lines[lines.index(gone_category) - 1] == "|---|---|---|"
+    assert "kept from the page before" in text
+    assert json.loads(Path("alpha_vs_minutes.json").read_text())["points"][0]["run"] == "runs/gone"
+    assert Path("alpha_vs_minutes.png").stat().st_size > 1000
+
+    assert results.main(["runs", "--write", str(page)]) == 0
+    assert page.read_text() == text  # idempotent: carried rows are not carried twice

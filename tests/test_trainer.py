@@ -32,10 +32,10 @@ def config(pair, data, out, *extra) -> DistillConfig:
     return load_config(DistillConfig, ROOT / "configs" / "tiny.yaml", overrides(pair, data, out, *extra))
 
 
-def train_losses(out: Path) -> list[float]:
+def train_losses(out: Path, column: str = "loss") -> list[float]:
     lines = (out / "train_metrics.csv").read_text().splitlines()
     header = lines[0].split(",")
-    return [float(line.split(",")[header.index("loss")]) for line in lines[1:]]
+    return [float(line.split(",")[header.index(column)]) for line in lines[1:]]
 
 
 def test_lr_schedule_anneals_on_whichever_budget_ends_first():
@@ -116,6 +116,11 @@ GOLDEN_FKL = [0.006071517709642649, 0.004511193837970495, 0.0034137230832129717]
 def test_resume_is_bit_exact(tiny_pair_dir, conversations, tmp_path):
     run(config(tiny_pair_dir, conversations, tmp_path / "full", "train.save_every=100"))
     run(config(tiny_pair_dir, conversations, tmp_path / "staged", "train.stop_at_step=3"))
+    # A kill after step 4 was logged but before it was saved: the resumed run logs step 4 again, once.
+    metrics = tmp_path / "staged" / "train_metrics.csv"
+    header, last = metrics.read_text().splitlines()[0], metrics.read_text().splitlines()[-1].split(",")
+    last[header.split(",").index("step")], last[header.split(",").index("loss")] = "4", "99.0"
+    metrics.write_text(metrics.read_text() + ",".join(last) + "\n")
     run(config(tiny_pair_dir, conversations, tmp_path / "staged"), resume=True)
     a = load_file(tmp_path / "full" / "draft" / "model.safetensors")
     b = load_file(tmp_path / "staged" / "draft" / "model.safetensors")
@@ -123,6 +128,10 @@ def test_resume_is_bit_exact(tiny_pair_dir, conversations, tmp_path):
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert train_losses(tmp_path / "full") == train_losses(tmp_path / "staged")
+    assert train_losses(tmp_path / "staged", "step") == [float(step) for step in range(1, len(train_losses(tmp_path / "full")) + 1)]
+    # A fresh run into a used folder starts its metrics over instead of appending to the old run's.
+    run(config(tiny_pair_dir, conversations, tmp_path / "full", "train.save_every=100", "train.max_steps=2"))
+    assert train_losses(tmp_path / "full", "step") == [1.0, 2.0]
 
 
 def test_reduced_head_vocab_trains_resumes_bit_exact_and_keeps_the_full_head(tiny_pair_dir, conversations, tmp_path):
@@ -344,6 +353,9 @@ def test_hidden_state_matching_trains_resumes_bit_exact_and_saves_a_plain_draft(
     assert matched["steps"] == plain["steps"] == 4 and matched["loss_tokens"] == plain["loss_tokens"]
     with_states, without = train_losses(tmp_path / "hidden"), train_losses(tmp_path / "plain")
     assert all(math.isfinite(x) for x in with_states) and with_states[0] > without[0]  # the extra term is counted
+    # Same init, same first batch: the first step's loss is the divergence plus the logged hidden-state term.
+    assert with_states[0] == pytest.approx(without[0] + train_losses(tmp_path / "hidden", "hidden_mse")[0], rel=1e-4)
+    assert "hidden_mse" not in (tmp_path / "plain" / "train_metrics.csv").read_text().splitlines()[0]
     saved = load_file(tmp_path / "hidden" / "draft" / "model.safetensors")
     assert not any("hidden_map" in k for k in saved)
 
