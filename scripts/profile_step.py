@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specdistill.config import DistillConfig, load_config, record_run
 from specdistill.data import generated_dir, generated_to_teacher_rows, load_generated
-from specdistill.losses import distill_loss, hidden_state_loss
+from specdistill.losses import distill_loss
 from specdistill.models import build_draft, load_model, load_tokenizer
 from specdistill.trainer import (
     DraftLoss,
@@ -107,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                 loss = distill_loss(selected, head, (ids, logp), batch["labels"], tc.loss, tc.beta,
                                     tc.temperature, tc.ce_weight, tc.chunk_size, vocab_ids)
                 if match is not None:  # as DraftLoss.forward adds it
-                    state = out.hidden_states[module.draft_layer][:, :-1][batch["select"]]
-                    loss = loss + tc.hidden_weight * hidden_state_loss(module.hidden_map(state), teacher_hidden,
-                                                                       module.hidden_mean, module.hidden_std)
+                    loss = loss + tc.hidden_weight * module.hidden_term(out.hidden_states, batch["select"],
+                                                                        teacher_hidden)
                 loss = loss / max(int(batch["select"].sum()), 1)
             t3 = time.perf_counter()
             loss.backward()

@@ -70,6 +70,12 @@ class DraftLoss(nn.Module):
     def base(self):
         return self.draft.get_base_model() if hasattr(self.draft, "get_base_model") else self.draft
 
+    def hidden_term(self, hidden_states, select, teacher_hidden):
+        """The unweighted hidden-state loss, summed over the selected positions."""
+        # hidden_states[j] is the output of layer j (1-based) for j below the last; the last entry is normed.
+        state = hidden_states[self.draft_layer][:, :-1][select]
+        return hidden_state_loss(self.hidden_map(state), teacher_hidden, self.hidden_mean, self.hidden_std)
+
     def forward(self, input_ids, attention_mask, select, teacher, labels, kind, beta, temperature, ce_weight,
                 chunk_size, vocab_ids=None, teacher_hidden=None, hidden_weight=0.0):
         base = self.base()
@@ -80,9 +86,7 @@ class DraftLoss(nn.Module):
                             ce_weight, chunk_size, vocab_ids)
         hidden = torch.zeros((), device=loss.device)
         if teacher_hidden is not None:
-            # hidden_states[j] is the output of layer j (1-based) for j below the last; the last entry is normed.
-            state = out.hidden_states[self.draft_layer][:, :-1][select]
-            hidden = hidden_state_loss(self.hidden_map(state), teacher_hidden, self.hidden_mean, self.hidden_std)
+            hidden = self.hidden_term(out.hidden_states, select, teacher_hidden)
             loss = loss + hidden_weight * hidden
         # The unweighted hidden-state sum rides along detached, so the log can show the two terms apart.
         return loss, hidden.detach()
