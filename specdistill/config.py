@@ -86,7 +86,11 @@ class DataConfig:
 
 @dataclass
 class GenerateConfig:
-    """Target-generated responses ("same distribution" data) for distillation."""
+    """Target-generated responses ("same distribution" data) for distillation.
+
+    With train.data_mode=fixed-cache nothing is generated: num_prompts ShareGPT conversations keep their own
+    replies, and one teacher-forced target pass stores teacher_top_k (and teacher_hidden_layer) at their reply
+    tokens under the max_minutes budget (data.teacher_pass)."""
 
     num_prompts: int = 64
     max_prompt_tokens: int = 256
@@ -139,7 +143,9 @@ class TrainConfig:
     beta: float = 0.5  # jsd interpolation: 0 = FKL, 1 = RKL
     temperature: float = 1.0
     ce_weight: float = 0.0  # mix of next-token CE into the distillation loss
-    data_mode: str = "generated"  # fixed (ShareGPT replies) | generated (target's own) | onpolicy | cache
+    # fixed (ShareGPT's replies, live teacher) | generated (the target's own) | onpolicy | cache (the target's own
+    # replies, teacher stored at generation) | fixed-cache (ShareGPT's replies, teacher stored by one pass over them)
+    data_mode: str = "generated"
     max_train_rows: int = 0  # 0 = the whole training set; otherwise its first N rows
     onpolicy_fraction: float = 0.25  # share of batches whose replies are sampled from the current draft
     onpolicy_new_tokens: int = 64
@@ -197,8 +203,8 @@ class TrainConfig:
         _check(0.0 <= self.beta <= 1.0, "train.beta", "must be in [0, 1]")
         _check(self.temperature > 0, "train.temperature", "must be > 0")
         _check(0.0 <= self.ce_weight <= 1.0, "train.ce_weight", "must be in [0, 1]")
-        _check(self.data_mode in ("fixed", "generated", "onpolicy", "cache"), "train.data_mode",
-               "must be fixed, generated, onpolicy or cache")
+        _check(self.data_mode in ("fixed", "generated", "onpolicy", "cache", "fixed-cache"), "train.data_mode",
+               "must be fixed, generated, onpolicy, cache or fixed-cache")
         _check(0.0 <= self.onpolicy_fraction <= 1.0, "train.onpolicy_fraction", "must be in [0, 1]")
         _check(self.lr > 0, "train.lr", "must be > 0")
         _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", "must be in [0, 1]")
@@ -212,7 +218,7 @@ class TrainConfig:
         _check(self.hidden_weight >= 0.0, "train.hidden_weight", "must be >= 0 (0 = off)")
         _check(self.bf16 in (True, False, "auto"), "train.bf16", "must be true, false or auto")
         self.bf16 = resolve_bf16(self.bf16)
-        _check(self.data_mode != "cache" or self.temperature == 1.0, "train.temperature",
+        _check(self.data_mode not in ("cache", "fixed-cache") or self.temperature == 1.0, "train.temperature",
                "the offline cache stores T=1 log-probabilities: use temperature 1")
 
 
@@ -229,13 +235,16 @@ class DistillConfig:
 
     def __post_init__(self):
         stored = self.generate.teacher_top_k
-        _check(not (self.train.data_mode == "cache" and stored) or self.train.cache_top_k <= stored,
+        stored_mode = self.train.data_mode in ("cache", "fixed-cache")
+        _check(not (stored_mode and stored) or self.train.cache_top_k <= stored,
                "train.cache_top_k", f"must be <= generate.teacher_top_k ({stored}), the entries stored per token")
         _check(not self.train.prompt_loss or (self.train.data_mode == "cache" and self.generate.prompt_teacher),
                "train.prompt_loss", "needs train.data_mode=cache and generate.prompt_teacher=true")
-        _check(not self.train.hidden_weight or (self.train.data_mode == "cache" and self.generate.teacher_hidden_layer),
-               "train.hidden_weight", "needs train.data_mode=cache and generate.teacher_hidden_layer > 0 (the "
-               "target's states stored at generation)")
+        _check(self.train.data_mode != "fixed-cache" or stored > 0, "generate.teacher_top_k",
+               "must be > 0 with train.data_mode=fixed-cache: the teacher pass stores that many entries per token")
+        _check(not self.train.hidden_weight or (stored_mode and self.generate.teacher_hidden_layer),
+               "train.hidden_weight", "needs train.data_mode=cache or fixed-cache and generate.teacher_hidden_layer > 0 "
+               "(the target's states stored at generation or by the teacher pass)")
 
 
 @dataclass

@@ -549,6 +549,13 @@ def sharegpt_prompts(records: list[dict], num_prompts: int, max_chars: int, seed
     return prompts
 
 
+def sharegpt_conversations(records: list[dict], count: int, seed: int = 0) -> list[dict]:
+    """``count`` records in a seeded random order (all of them if fewer): the fixed replies of a teacher pass."""
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    return [records[i] for i in order[:count]]
+
+
 def generated_dir(target_path: str, gen, data, split: str = "train") -> Path:
     """Cache folder for target-generated data, keyed by target, source data and generation settings."""
     from .assets import cache_dir
@@ -589,3 +596,132 @@ def load_conversations(data) -> list[dict]:
                  "messages": [{"role": "user", "content": q["turns"][0]}]} for q in load_mtbench()]
     path = None if data.source == "sharegpt" else data.source
     return load_sharegpt(path, max_records=data.max_records).records
+
+
+# ---------------------------------------------------------------- the teacher over fixed replies
+
+# Names the code that wrote a teacher-pass set (part of its folder key and settings).
+TEACHER_PASS = "specdistill.teacher_pass/1"
+
+
+def teacher_pass(model, rows: datasets.Dataset, out_dir: str | Path, top_k: int, hidden_layer: int = 0,
+                 rows_per_forward: int = 8, rows_per_shard: int = 32, max_minutes: float = 0.0,
+                 seed: int = 0) -> datasets.Dataset:
+    """The target's top-k log-probs (T=1) at every loss position of fixed rows (``input_ids``, ``loss_mask``:
+    ShareGPT's own replies), and with ``hidden_layer`` > 0 its residual stream after that many layers at the
+    position before each loss token (fp16), in the layout ``generated_to_teacher_rows`` gives generated sets.
+
+    One teacher-forced forward per ``rows_per_forward`` rows: on 2 cores ≈ 4–5× the tokens per second of
+    generating replies (a forward scores every position at once, a decode step one per row), at the price of
+    contexts the target did not write. Rows are sorted by length (less padding) and cut into shards of
+    ``rows_per_shard``, written atomically in a seeded random order, so a killed pass resumes and
+    ``max_minutes`` (> 0, summed over every call into the folder) leaves a random sample of lengths, as
+    ``generate_responses`` does.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from .assets import atomic_write_dir
+    from .losses import teacher_topk
+
+    if top_k < 1:
+        raise DataError("the teacher pass stores the target's top-k: generate.teacher_top_k must be > 0")
+    layers = model.config.num_hidden_layers
+    if not 0 <= hidden_layer <= layers:
+        raise DataError(f"generate.teacher_hidden_layer={hidden_layer}: the target has {layers} decoder layers")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = {"generator": TEACHER_PASS, "rows": rows._fingerprint, "num_rows": len(rows), "top_k": top_k,
+                "hidden_layer": hidden_layer, "rows_per_shard": rows_per_shard, "seed": seed,
+                "dtype": str(model.dtype)}
+    meta_path = out_dir / "settings.json"
+    if meta_path.is_file():
+        previous = json.loads(meta_path.read_text())
+        if previous != settings:
+            raise DataError(f"{out_dir} holds a teacher pass with other settings {previous}; "
+                            f"use another output folder or delete it")
+    else:
+        meta_path.write_text(json.dumps(settings, indent=2))
+
+    lengths = [len(ids) for ids in rows["input_ids"]]
+    order = sorted(range(len(rows)), key=lambda i: (lengths[i], i))
+    shards = [order[i: i + rows_per_shard] for i in range(0, len(order), rows_per_shard)]
+    done = {int(p.name.split("-")[1]) for p in _shards(out_dir)}
+    for stale in out_dir.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    todo = [i for i in range(len(shards)) if i not in done]
+    random.Random(seed).shuffle(todo)
+    spent_path = out_dir / "generation_seconds.json"
+    spent_before = json.loads(spent_path.read_text())["seconds"] if spent_path.is_file() else 0.0
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
+                                  "loss_mask": datasets.Sequence(datasets.Value("int8")),
+                                  **TEACHER_FEATURES, **(HIDDEN_FEATURES if hidden_layer else {})})
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    started, scored, written = time.perf_counter(), 0, 0
+    bar = tqdm(total=len(todo), desc="teacher pass", unit="shard")
+    for index in todo:
+        if (done or written) and max_minutes and spent_before + time.perf_counter() - started > max_minutes * 60:
+            break
+        records = []
+        shard_rows = [rows[i] for i in shards[index]]
+        for start in range(0, len(shard_rows), rows_per_forward):
+            chunk = shard_rows[start: start + rows_per_forward]
+            width = max(len(r["input_ids"]) for r in chunk)
+            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+            attention = torch.zeros((len(chunk), width), dtype=torch.long)
+            for i, r in enumerate(chunk):
+                ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+                attention[i, : len(r["input_ids"])] = 1
+            with torch.inference_mode():
+                # The body, then the LM head at loss positions only (prompt and padding positions need none).
+                out = getattr(model, model.base_model_prefix)(input_ids=ids, attention_mask=attention,
+                                                              output_hidden_states=bool(hidden_layer))
+            for i, r in enumerate(chunk):
+                # Position t predicts token t + 1: the teacher of loss token t + 1 sits at t (the first token
+                # has no position before it, so it is never a loss token).
+                mask = [0, *list(r["loss_mask"])[1:]]
+                at = torch.tensor(mask[1:], dtype=torch.bool).nonzero().squeeze(1)
+                with torch.inference_mode():
+                    logits = model.get_output_embeddings()(out.last_hidden_state[i, at])
+                top_ids, top_logp = teacher_topk(logits, top_k)
+                record = {"input_ids": list(r["input_ids"]), "loss_mask": mask,
+                          "topk_ids": top_ids.int().tolist(), "topk_logp": top_logp.half().float().tolist()}
+                if hidden_layer:
+                    record["hidden"] = out.hidden_states[hidden_layer][i, at].half().float().numpy()
+                records.append(record)
+                scored += len(at)
+        shard = datasets.Dataset.from_list(records, features=features)
+        atomic_write_dir(out_dir / f"shard-{index:05d}", lambda tmp, shard=shard: shard.save_to_disk(str(tmp)))
+        (out_dir / ".tmp-seconds.json").write_text(json.dumps({"seconds": spent_before + time.perf_counter() - started}))
+        (out_dir / ".tmp-seconds.json").replace(spent_path)  # atomic: a kill never leaves half a number
+        written += 1
+        bar.update(1)
+        bar.set_postfix(loss_tokens=scored, tok_s=f"{scored / (time.perf_counter() - started):.0f}")
+    bar.close()
+    have = len(done) + written
+    if have < len(shards):
+        warnings.warn(f"generate.max_minutes={max_minutes:g}: the teacher pass's budget is spent with {have} of "
+                      f"{len(shards)} shards; training uses those. A run with a larger generate.max_minutes "
+                      f"(0 = no limit) scores the other {len(shards) - have} into {out_dir}", stacklevel=2)
+    return load_generated(out_dir)
+
+
+def teacher_pass_dir(target_path: str, dtype: str, rows: datasets.Dataset, top_k: int, hidden_layer: int,
+                     seed: int) -> Path:
+    """Cache folder for a teacher pass, keyed by target, its dtype, the rows and what is stored."""
+    from .assets import cache_dir
+
+    key = json.dumps([TEACHER_PASS, target_path, dtype, rows._fingerprint, top_k, hidden_layer, seed])
+    name = Path(target_path).name or "target"
+    return cache_dir() / "teacher-pass" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def cut_teacher(rows: datasets.Dataset, top_k: int) -> datasets.Dataset:
+    """Stored teacher rows with only their ``top_k`` most likely entries (stored sorted, so again a top-k)."""
+    stored = len(rows[0]["topk_ids"][0]) if len(rows) and rows[0]["topk_ids"] else top_k
+    if top_k > stored:
+        raise DataError(f"train.cache_top_k={top_k} exceeds the {stored} teacher entries stored per token")
+    if top_k == stored:
+        return rows
+    return rows.map(lambda r: {"topk_ids": [t[:top_k] for t in r["topk_ids"]],
+                               "topk_logp": [t[:top_k] for t in r["topk_logp"]]}, desc="cut the stored teacher")

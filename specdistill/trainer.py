@@ -32,13 +32,17 @@ from .config import DistillConfig, GenerateConfig, record_run, to_dict
 from .data import (
     GENERATOR_TAG,
     build_chat_dataset,
+    cut_teacher,
     generate_responses,
     generated_to_teacher_rows,
     generated_to_training,
     load_conversations,
     load_mtbench,
+    sharegpt_conversations,
     split_records,
     target_generated_dataset,
+    teacher_pass,
+    teacher_pass_dir,
 )
 from .losses import distill_loss, hidden_state_loss, teacher_topk
 from .models import DRAFT_VOCAB_FILE, build_draft, check_pair, load_model, load_tokenizer, size_report
@@ -191,6 +195,22 @@ def training_rows(cfg: DistillConfig, target, tokenizer, accelerator):
         train, _ = split_records(records, cfg.data.heldout_fraction, cfg.data.seed)
         with accelerator.main_process_first():
             return build_chat_dataset(tokenizer, train, cfg.train.seq_len)
+    if cfg.train.data_mode == "fixed-cache":
+        # generate.num_prompts conversations (a seeded sample of the training split), the target's teacher
+        # stored by one teacher-forced pass over them under generate.max_minutes.
+        records = load_conversations(cfg.data)
+        train, _ = split_records(records, cfg.data.heldout_fraction, cfg.data.seed)
+        gen = cfg.generate
+        with accelerator.main_process_first():
+            chats = build_chat_dataset(tokenizer, sharegpt_conversations(train, gen.num_prompts, gen.seed),
+                                       cfg.train.seq_len, name="fixed-cache")
+            dtype = str(target.dtype)
+            rows = teacher_pass(target, chats, teacher_pass_dir(cfg.target.path, dtype, chats, gen.teacher_top_k,
+                                                                gen.teacher_hidden_layer, gen.seed),
+                                gen.teacher_top_k, gen.teacher_hidden_layer, max_minutes=gen.max_minutes,
+                                seed=gen.seed)
+        rows = cut_teacher(rows, cfg.train.cache_top_k)
+        return rows if cfg.train.hidden_weight > 0 or "hidden" not in rows.column_names else rows.remove_columns("hidden")
     with accelerator.main_process_first():
         generated = target_generated_dataset(target, tokenizer, cfg.target.path, cfg.data, cfg.generate)
     if cfg.train.data_mode == "cache" and cfg.generate.teacher_top_k:
@@ -485,7 +505,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
         accelerator.print(f"train.hidden_weight={tc.hidden_weight}: draft layer {hidden_match['draft_layer']} matched to "
                           f"target layer {cfg.generate.teacher_hidden_layer} on {len(target_states):,} stored states")
     evalset = eval_set(target, tokenizer, cfg) if accelerator.is_main_process else None
-    if tc.data_mode == "cache":
+    if tc.data_mode in ("cache", "fixed-cache"):
         if "topk_ids" not in rows.column_names:  # no teacher stored at generation: one target pass over the set
             cache_key = f"teacher-{rows._fingerprint}-k{tc.cache_top_k}-L{tc.seq_len}-{cfg.target.dtype}"
             with accelerator.main_process_first():
@@ -576,7 +596,7 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
                 if frequent is not None:  # seeded by step and rank: a resumed run draws the same negatives
                     batch["vocab_ids"] = step_vocab(frequent, batch["labels"], tc.head_negatives, vocab_size,
                                                     ((tc.seed * 1_000_003 + step) * 64 + micro) * world + rank)
-                if tc.data_mode == "cache":
+                if tc.data_mode in ("cache", "fixed-cache"):
                     batch["teacher"] = stored_teacher(batch_rows, tc.cache_top_k)
                 if target_states is not None:  # rows are cut at seq_len already (generated_to_teacher_rows)
                     batch["teacher_hidden"] = torch.cat([target_states[state_bounds[i]: state_bounds[i + 1]]

@@ -16,6 +16,7 @@ from specdistill.data import (
     load_sharegpt,
     parse_conversations,
     split_records,
+    teacher_pass,
 )
 
 text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
@@ -311,3 +312,67 @@ def test_generation_stores_the_targets_hidden_state_behind_each_reply_token(tmp_
         generated_to_teacher_rows(plain, seq_len=64, top_k=4, hidden=True)
     with pytest.raises(ValueError, match="decoder layers"):
         generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "deep", teacher_hidden_layer=9, **kwargs)
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_teacher_pass_stores_the_targets_top_k_and_state_at_each_loss_token_and_resumes(tmp_path, tiny_tokenizer,
+                                                                                      tiny_target, monkeypatch):
+    """train.data_mode=fixed-cache's data: per loss token of a fixed reply, the target's top-k log-probs and its
+    layer-1 state at the position before, as a forward of that row alone gives them; killed or out of budget, a
+    later call completes the same set."""
+    import datasets
+    import torch
+
+    from specdistill import losses
+
+    chats = [format_chat(tiny_tokenizer, [{"role": "user", "content": "word " * (i % 4 + 1)},
+                                          {"role": "assistant", "content": "reply " * (i % 5 + 2)}], 64)
+             for i in range(10)]
+    rows = datasets.Dataset.from_list(chats)
+    kwargs = {"top_k": 5, "hidden_layer": 1, "rows_per_forward": 3, "rows_per_shard": 4}
+    reference = teacher_pass(tiny_target, rows, tmp_path / "ref", **kwargs)
+    assert sorted(map(tuple, reference["input_ids"])) == sorted(tuple(c["input_ids"]) for c in chats)
+    for row in reference:
+        ids = torch.tensor([row["input_ids"]])
+        with torch.inference_mode():
+            out = tiny_target(input_ids=ids, output_hidden_states=True)
+        at = torch.tensor(row["loss_mask"][1:], dtype=torch.bool).nonzero().squeeze(1)
+        assert row["loss_mask"][0] == 0 and len(at) == sum(row["loss_mask"]) == len(row["topk_ids"]) > 0
+        logp = out.logits[0, at].log_softmax(-1)
+        want_logp, want_ids = logp.topk(5, -1)
+        assert torch.equal(torch.tensor(row["topk_ids"]), want_ids)
+        assert torch.allclose(torch.tensor(row["topk_logp"]), want_logp, atol=2e-2)  # stored in fp16
+        assert torch.allclose(torch.tensor(row["hidden"]), out.hidden_states[1][0, at], atol=2e-2)
+
+    as_set = lambda ds: sorted(
+        (tuple(ids), tuple(map(tuple, topk))) for ids, topk in zip(ds["input_ids"], ds["topk_ids"])
+    )
+    calls = {"n": 0}
+    original = losses.teacher_topk
+
+    def dying_topk(*args, **kw):  # killed inside the second shard: the first is on disk, the second is not
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise _Killed("killed")
+        return original(*args, **kw)
+
+    monkeypatch.setattr(losses, "teacher_topk", dying_topk)
+    with pytest.raises(_Killed):
+        teacher_pass(tiny_target, rows, tmp_path / "run", **kwargs)
+    assert len(list((tmp_path / "run").glob("shard-*"))) == 1
+    monkeypatch.setattr(losses, "teacher_topk", original)
+    # A budget always exceeded adds nothing to a set that has data; no budget completes it.
+    with pytest.warns(UserWarning, match="budget is spent with 1 of 3 shards"):
+        partial = teacher_pass(tiny_target, rows, tmp_path / "run", max_minutes=1e-9, **kwargs)
+    assert len(partial) == 4 and set(as_set(partial)) < set(as_set(reference))
+    assert as_set(teacher_pass(tiny_target, rows, tmp_path / "run", **kwargs)) == as_set(reference)
+
+    with pytest.raises(DataError, match="other settings"):
+        teacher_pass(tiny_target, rows, tmp_path / "run", **{**kwargs, "top_k": 4})
+    with pytest.raises(DataError, match="has 2 decoder layers"):
+        teacher_pass(tiny_target, rows, tmp_path / "bad", **{**kwargs, "hidden_layer": 3})
+    with pytest.raises(DataError, match="teacher_top_k must be > 0"):
+        teacher_pass(tiny_target, rows, tmp_path / "bad", **{**kwargs, "top_k": 0})

@@ -255,6 +255,33 @@ def test_prompt_loss_trains_on_prompt_positions_too(tiny_pair_dir, conversations
     assert all(math.isfinite(x) for x in train_losses(tmp_path / "both"))
 
 
+def test_fixed_cache_trains_on_the_teacher_stored_by_one_pass_over_sharegpt_replies(tiny_pair_dir, conversations,
+                                                                                    tmp_path, monkeypatch):
+    """train.data_mode=fixed-cache: ShareGPT's replies, the target's top-k and hidden state from one stored pass
+    (no generation, no live teacher); a second run reads the stored pass; a resumed run ends on the same weights."""
+    monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
+    shared = ["train.data_mode=fixed-cache", "generate.teacher_top_k=6", "train.cache_top_k=4", "generate.num_prompts=12",
+              "generate.teacher_hidden_layer=1", "train.hidden_weight=1.0", "train.max_steps=4", "train.eval_prompts=0",
+              "draft.num_layers=2"]
+    result = run(config(tiny_pair_dir, conversations, tmp_path / "fixed-cache", *shared))
+    assert result["steps"] == 4 and result["loss_tokens"] > 0
+    assert not (tmp_path / "cache" / "generated").exists() and not (tmp_path / "cache" / "teacher").exists()
+    passes = list((tmp_path / "cache" / "teacher-pass").iterdir())
+    assert len(passes) == 1 and json.loads((passes[0] / "settings.json").read_text())["num_rows"] == 12
+    assert all(math.isfinite(x) and x > 0 for x in train_losses(tmp_path / "fixed-cache", "hidden_mse"))
+
+    staged = run(config(tiny_pair_dir, conversations, tmp_path / "staged", *shared, "train.stop_at_step=2"))
+    assert staged["steps"] == 2
+    run(config(tiny_pair_dir, conversations, tmp_path / "staged", *shared), resume=True)
+    assert len(list((tmp_path / "cache" / "teacher-pass").iterdir())) == 1  # read again, not recomputed
+    whole = load_file(tmp_path / "fixed-cache" / "draft" / "model.safetensors")
+    resumed = load_file(tmp_path / "staged" / "draft" / "model.safetensors")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+    with pytest.raises(ConfigError, match="generate.teacher_top_k: must be > 0 with train.data_mode=fixed-cache"):
+        config(tiny_pair_dir, conversations, tmp_path / "bad", "train.data_mode=fixed-cache")
+
+
 def _cli(pair, data, out, *extra):
     return [sys.executable, str(ROOT / "distill.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
             *overrides(pair, data, out, *extra)]
@@ -366,6 +393,6 @@ def test_hidden_state_matching_trains_resumes_bit_exact_and_saves_a_plain_draft(
     resumed = load_file(tmp_path / "staged" / "draft" / "model.safetensors")
     assert all(torch.equal(saved[k], resumed[k]) for k in saved)
 
-    with pytest.raises(ConfigError, match="hidden_weight: needs train.data_mode=cache and generate.teacher_hidden_layer"):
+    with pytest.raises(ConfigError, match="hidden_weight: needs train.data_mode=cache or fixed-cache and generate.teacher_"):
         config(tiny_pair_dir, conversations, tmp_path / "bad", "train.data_mode=cache", "generate.teacher_top_k=6",
                "train.cache_top_k=4", "train.hidden_weight=1.0")
