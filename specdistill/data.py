@@ -338,6 +338,19 @@ GENERATOR = "specdistill.target_generate_stream/1"
 GENERATOR_TAG = hashlib.sha256(GENERATOR.encode()).hexdigest()[:6]  # for cache folder names
 
 
+def claim_folder(out_dir: Path, settings: dict, what: str) -> None:
+    """Record ``settings`` in a resumable data folder, or refuse one written with other settings: its shards
+    would mix two sets."""
+    meta_path = out_dir / "settings.json"
+    if meta_path.is_file():
+        previous = json.loads(meta_path.read_text())
+        if previous != settings:
+            raise DataError(f"{out_dir} holds {what} with other settings {previous}; "
+                            f"use another output folder or delete it")
+    else:
+        meta_path.write_text(json.dumps(settings, indent=2))
+
+
 def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], out_dir: str | Path,
                        max_prompt_tokens: int, max_new_tokens: int, batch_size: int, temperature: float = 0.0,
                        top_p: float = 1.0, seed: int = 0, max_batches: int | None = None,
@@ -383,14 +396,7 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
         settings["prompt_teacher"] = True
     if teacher_hidden_layer:
         settings["teacher_hidden_layer"] = teacher_hidden_layer
-    meta_path = out_dir / "settings.json"
-    if meta_path.is_file():
-        previous = json.loads(meta_path.read_text())
-        if previous != settings:
-            raise DataError(f"{out_dir} holds data generated with other settings {previous}; "
-                            f"use another output folder or delete it")
-    else:
-        meta_path.write_text(json.dumps(settings, indent=2))
+    claim_folder(out_dir, settings, "data generated")
 
     encoded = []
     for prompt_id, messages in prompts:
@@ -634,14 +640,7 @@ def teacher_pass(model, rows: datasets.Dataset, out_dir: str | Path, top_k: int,
     settings = {"generator": TEACHER_PASS, "rows": rows._fingerprint, "num_rows": len(rows), "top_k": top_k,
                 "hidden_layer": hidden_layer, "rows_per_shard": rows_per_shard, "seed": seed,
                 "dtype": str(model.dtype)}
-    meta_path = out_dir / "settings.json"
-    if meta_path.is_file():
-        previous = json.loads(meta_path.read_text())
-        if previous != settings:
-            raise DataError(f"{out_dir} holds a teacher pass with other settings {previous}; "
-                            f"use another output folder or delete it")
-    else:
-        meta_path.write_text(json.dumps(settings, indent=2))
+    claim_folder(out_dir, settings, "a teacher pass")
 
     lengths = [len(ids) for ids in rows["input_ids"]]
     order = sorted(range(len(rows)), key=lambda i: (lengths[i], i))
