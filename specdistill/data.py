@@ -351,6 +351,34 @@ def claim_folder(out_dir: Path, settings: dict, what: str) -> None:
         meta_path.write_text(json.dumps(settings, indent=2))
 
 
+def resume_shards(out_dir: Path) -> tuple[set[int], float]:
+    """A resumable data folder's finished shard indices and the seconds its earlier runs spent; clears the
+    half-written shards a killed run left."""
+    done = {int(p.name.split("-")[1]) for p in _shards(out_dir)}
+    for stale in out_dir.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    spent_path = out_dir / "generation_seconds.json"
+    return done, json.loads(spent_path.read_text())["seconds"] if spent_path.is_file() else 0.0
+
+
+def save_shard(out_dir: Path, index: int, shard: datasets.Dataset, seconds: float) -> None:
+    """Write shard ``index`` and the folder's seconds spent so far, each atomically (a kill leaves neither half)."""
+    from .assets import atomic_write_dir
+
+    atomic_write_dir(out_dir / f"shard-{index:05d}", lambda tmp: shard.save_to_disk(str(tmp)))
+    (out_dir / ".tmp-seconds.json").write_text(json.dumps({"seconds": seconds}))
+    (out_dir / ".tmp-seconds.json").replace(out_dir / "generation_seconds.json")
+
+
+def stored_top_k(rows: datasets.Dataset, top_k: int) -> int:
+    """The teacher entries stored per token in ``rows``, checked to hold at least the ``top_k`` training reads."""
+    stored = len(rows[0]["topk_ids"][0]) if len(rows) and rows[0]["topk_ids"] else top_k
+    if top_k > stored:
+        raise DataError(f"train.cache_top_k={top_k} exceeds the {stored} teacher entries stored per token "
+                        f"(generate.teacher_top_k)")
+    return stored
+
+
 def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], out_dir: str | Path,
                        max_prompt_tokens: int, max_new_tokens: int, batch_size: int, temperature: float = 0.0,
                        top_p: float = 1.0, seed: int = 0, max_batches: int | None = None,
@@ -411,13 +439,9 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
     batches = [encoded[i: i + batch_size] for i in range(0, len(encoded), batch_size)]
     if max_batches is not None:
         batches = batches[:max_batches]
-    done = {int(p.name.split("-")[1]) for p in _shards(out_dir)}
-    for stale in out_dir.glob(".tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    done, spent_before = resume_shards(out_dir)
 
     eos_ids = eos_token_ids(model, tokenizer)
-    spent_path = out_dir / "generation_seconds.json"
-    spent_before = json.loads(spent_path.read_text())["seconds"] if spent_path.is_file() else 0.0
     todo = [i for i in range(len(batches)) if i not in done]
     random.Random(seed).shuffle(todo)  # the order only: each shard's content depends on its index alone
     bar = tqdm(total=len(todo), desc="target generation", unit="batch")
@@ -458,13 +482,8 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
             features = datasets.Features({**features, **HIDDEN_FEATURES})
             for row, out in zip(rows, outputs):
                 row["hidden"] = torch.stack(out.hidden).half().float().numpy()
-        shard = datasets.Dataset.from_list(rows, features=features)
-        from .assets import atomic_write_dir
-
-        atomic_write_dir(out_dir / f"shard-{index:05d}", lambda tmp, shard=shard: shard.save_to_disk(str(tmp)))
-        spent = spent_before + time.perf_counter() - started
-        (out_dir / ".tmp-seconds.json").write_text(json.dumps({"seconds": spent}))
-        (out_dir / ".tmp-seconds.json").replace(spent_path)  # atomic: a kill never leaves half a number
+        save_shard(out_dir, index, datasets.Dataset.from_list(rows, features=features),
+                   spent_before + time.perf_counter() - started)
         generated_tokens += sum(len(r["response_ids"]) for r in rows)
         bar.update(1)
         bar.set_postfix(reply_tokens=generated_tokens, tok_s=f"{generated_tokens / (time.perf_counter() - started):.0f}")
@@ -505,10 +524,7 @@ def generated_to_teacher_rows(ds: datasets.Dataset, seq_len: int, top_k: int, pr
     if hidden and "hidden" not in ds.column_names:
         raise DataError("train.hidden_weight needs the target's hidden states: generate the set with "
                         "generate.teacher_hidden_layer > 0")
-    stored = len(ds[0]["topk_ids"][0]) if len(ds) and ds[0]["topk_ids"] else top_k
-    if top_k > stored:
-        raise DataError(f"train.cache_top_k={top_k} exceeds the {stored} teacher entries stored per token "
-                        f"(generate.teacher_top_k)")
+    stored_top_k(ds, top_k)
 
     def convert(row):
         prompt, reply = row["prompt_ids"], row["response_ids"]
@@ -619,15 +635,14 @@ def teacher_pass(model, rows: datasets.Dataset, out_dir: str | Path, top_k: int,
 
     One teacher-forced forward per ``rows_per_forward`` rows scores every position at once (a decode step, one
     per row): 1.86× the stored tokens per minute of the pooled generation on 2 Zen 4 cores in bf16, at the price
-    of contexts the target did not write (17 % less greedy α at an equal budget, docs/results.md). Rows are sorted by length (less padding) and cut into shards of
-    ``rows_per_shard``, written atomically in a seeded random order, so a killed pass resumes and
-    ``max_minutes`` (> 0, summed over every call into the folder) leaves a random sample of lengths, as
-    ``generate_responses`` does.
+    of contexts the target did not write (17 % less greedy α at an equal budget, docs/results.md). Rows are
+    sorted by length (less padding) and cut into shards of ``rows_per_shard``, written atomically in a seeded
+    random order, so a killed pass resumes and ``max_minutes`` (> 0, summed over every call into the folder)
+    leaves a random sample of lengths, as ``generate_responses`` does.
     """
     import torch
     from tqdm.auto import tqdm
 
-    from .assets import atomic_write_dir
     from .losses import teacher_topk
 
     if top_k < 1:
@@ -645,13 +660,9 @@ def teacher_pass(model, rows: datasets.Dataset, out_dir: str | Path, top_k: int,
     lengths = [len(ids) for ids in rows["input_ids"]]
     order = sorted(range(len(rows)), key=lambda i: (lengths[i], i))
     shards = [order[i: i + rows_per_shard] for i in range(0, len(order), rows_per_shard)]
-    done = {int(p.name.split("-")[1]) for p in _shards(out_dir)}
-    for stale in out_dir.glob(".tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    done, spent_before = resume_shards(out_dir)
     todo = [i for i in range(len(shards)) if i not in done]
     random.Random(seed).shuffle(todo)
-    spent_path = out_dir / "generation_seconds.json"
-    spent_before = json.loads(spent_path.read_text())["seconds"] if spent_path.is_file() else 0.0
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
                                   "loss_mask": datasets.Sequence(datasets.Value("int8")),
                                   **TEACHER_FEATURES, **(HIDDEN_FEATURES if hidden_layer else {})})
@@ -689,10 +700,8 @@ def teacher_pass(model, rows: datasets.Dataset, out_dir: str | Path, top_k: int,
                     record["hidden"] = out.hidden_states[hidden_layer][i, at].half().float().numpy()
                 records.append(record)
                 scored += len(at)
-        shard = datasets.Dataset.from_list(records, features=features)
-        atomic_write_dir(out_dir / f"shard-{index:05d}", lambda tmp, shard=shard: shard.save_to_disk(str(tmp)))
-        (out_dir / ".tmp-seconds.json").write_text(json.dumps({"seconds": spent_before + time.perf_counter() - started}))
-        (out_dir / ".tmp-seconds.json").replace(spent_path)  # atomic: a kill never leaves half a number
+        save_shard(out_dir, index, datasets.Dataset.from_list(records, features=features),
+                   spent_before + time.perf_counter() - started)
         written += 1
         bar.update(1)
         bar.set_postfix(loss_tokens=scored, tok_s=f"{scored / (time.perf_counter() - started):.0f}")
@@ -717,10 +726,7 @@ def teacher_pass_dir(target_path: str, dtype: str, rows: datasets.Dataset, top_k
 
 def cut_teacher(rows: datasets.Dataset, top_k: int) -> datasets.Dataset:
     """Stored teacher rows with only their ``top_k`` most likely entries (stored sorted, so again a top-k)."""
-    stored = len(rows[0]["topk_ids"][0]) if len(rows) and rows[0]["topk_ids"] else top_k
-    if top_k > stored:
-        raise DataError(f"train.cache_top_k={top_k} exceeds the {stored} teacher entries stored per token")
-    if top_k == stored:
+    if top_k == stored_top_k(rows, top_k):
         return rows
     return rows.map(lambda r: {"topk_ids": [t[:top_k] for t in r["topk_ids"]],
                                "topk_logp": [t[:top_k] for t in r["topk_logp"]]}, desc="cut the stored teacher")
