@@ -1,6 +1,6 @@
 """The embedded-default demo: ``make demo`` (or ``python demo.py --config configs/demo.yaml``).
 
-Target-generated data with the teacher stored → FKL distillation of the 10.4 % draft → acceptance at init vs
+Target-generated data with the teacher stored → JSD distillation of the 10.4 % draft → acceptance at init vs
 trained on MT-bench → a speculative decode of one MT-bench prompt → export (``specdistill/demo.py``).
 """
 

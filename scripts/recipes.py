@@ -90,10 +90,24 @@ RECIPES = {
     # The same at a third and at three times the weight.
     "fkl-cache-hv16k-hidden-w0.3": [*FKL_CACHE_HV16K_HIDDEN, "train.hidden_weight=0.3"],
     "fkl-cache-hv16k-hidden-w3": [*FKL_CACHE_HV16K_HIDDEN, "train.hidden_weight=3.0"],
+    # One stored target layer per draft layer: layer 15 for the draft's first, and the target's last layer after
+    # its final norm (what its LM head reads) for the draft's normed last state, on top of the stored top-64. Its
+    # own generated set (the same prompts and sampling seeds; run it without a generate.teacher_hidden_layer
+    # override, which would replace the recipe's).
+    "fkl-cache-hv16k-hidden-l15l30": [*FKL_CACHE_HV16K, "generate.teacher_hidden_layer=[15,30]",
+                                      "train.hidden_weight=1.0"],
+    "jsd-cache-hv16k-hidden-l15l30": [*FKL_CACHE_HV16K, "generate.teacher_hidden_layer=[15,30]", "train.loss=jsd",
+                                      "train.hidden_weight=1.0"],
     # ShareGPT's own replies instead of the target's, the teacher's top-64 and layer-15 state stored by one
     # teacher-forced pass (1.86× the loss tokens per minute of generating replies on the Zen 4 machine; contexts
     # the target did not write: 17 % less greedy α at an equal budget). generate.max_minutes bounds the pass.
     "fkl-fixedcache-hv16k-hidden": [*FKL_CACHE_HV16K_HIDDEN, "train.data_mode=fixed-cache", "train.hidden_weight=1.0"],
+    # The other divergences on the same stored top-64 (each over the teacher's top-k plus one tail bucket) with the
+    # same layer-15 term: the divergence comparison at a budget where drafts are far from init (the 3-minute
+    # comparison with the live teacher left all of them within 0.1 of it).
+    "rkl-cache-hv16k-hidden": [*FKL_CACHE_HV16K_HIDDEN, "train.loss=rkl", "train.hidden_weight=1.0"],
+    "jsd-cache-hv16k-hidden": [*FKL_CACHE_HV16K_HIDDEN, "train.loss=jsd", "train.hidden_weight=1.0"],
+    "tvd-cache-hv16k-hidden": [*FKL_CACHE_HV16K_HIDDEN, "train.loss=tvd", "train.hidden_weight=1.0"],
     # The full preset's 4 x 384 draft with the term (its layer 2 of 4 matched to the target's 15 of 30).
     "fkl-cache-hv16k-hidden-4x384": [*FKL_CACHE_HV16K_HIDDEN, "train.hidden_weight=1.0", "draft.num_layers=4",
                                      "draft.hidden_size=384"],

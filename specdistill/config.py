@@ -84,6 +84,11 @@ class DataConfig:
         _check(0.0 <= self.heldout_fraction < 1.0, "data.heldout_fraction", "must be in [0, 1)")
 
 
+def hidden_layers(value: int | list[int]) -> list[int]:
+    """``generate.teacher_hidden_layer`` as a list: 0 = none, an int = that layer, a list = those layers."""
+    return list(value) if isinstance(value, (list, tuple)) else [value] if value else []
+
+
 @dataclass
 class GenerateConfig:
     """Target-generated responses ("same distribution" data) for distillation.
@@ -114,12 +119,21 @@ class GenerateConfig:
     prompt_teacher: bool = False
     # > 0: also store the target's residual stream after this many decoder layers at every reply token's position
     # (fp16, the target's hidden size per token: ≈ 1.2 KB for SmolLM2), the intermediate teacher of
-    # train.hidden_weight, captured by the forward that sampled the token (no extra target pass).
-    teacher_hidden_layer: int = 0
+    # train.hidden_weight, captured by the forward that sampled the token (no extra target pass). A list stores
+    # several layers side by side, each matched by its own draft layer; the target's last layer means its state
+    # after the final norm (what its LM head reads), matched by the draft's normed last state.
+    teacher_hidden_layer: int | list[int] = 0
 
     def __post_init__(self):
         _check(self.num_prompts >= 1, "generate.num_prompts", "must be >= 1")
-        _check(self.teacher_hidden_layer >= 0, "generate.teacher_hidden_layer", "must be >= 0 (0 = do not store)")
+        if isinstance(self.teacher_hidden_layer, list):
+            layers = self.teacher_hidden_layer
+            _check(len(layers) > 0 and all(x >= 1 for x in layers) and layers == sorted(set(layers)),
+                   "generate.teacher_hidden_layer", "a list must hold increasing layer numbers >= 1")
+            if len(layers) == 1:  # one layer, one form: [15] and 15 name the same generated set
+                self.teacher_hidden_layer = layers[0]
+        _check(isinstance(self.teacher_hidden_layer, list) or self.teacher_hidden_layer >= 0,
+               "generate.teacher_hidden_layer", "must be >= 0 (0 = do not store)")
         _check(not self.teacher_hidden_layer or self.teacher_top_k > 0, "generate.teacher_hidden_layer",
                "needs generate.teacher_top_k > 0 (it is read by train.data_mode=cache, with the stored teacher)")
         _check(not (self.teacher_hidden_layer and self.prompt_teacher), "generate.teacher_hidden_layer",

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import datasets
 
+from .config import hidden_layers
+
 logger = logging.getLogger(__name__)
 
 ROLE_MAP = {
@@ -383,7 +385,7 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
                        max_prompt_tokens: int, max_new_tokens: int, batch_size: int, temperature: float = 0.0,
                        top_p: float = 1.0, seed: int = 0, max_batches: int | None = None,
                        teacher_top_k: int = 0, max_minutes: float = 0.0, prompt_teacher: bool = False,
-                       max_active_rows: int = 0, teacher_hidden_layer: int = 0) -> datasets.Dataset:
+                       max_active_rows: int = 0, teacher_hidden_layer: int | list[int] = 0) -> datasets.Dataset:
     """Generate the target's own replies to ``prompts`` (``(id, messages)``) into Arrow shards.
 
     ``teacher_top_k`` > 0 also stores, per reply token, the target's top-k log-probs (T=1) from the very
@@ -391,7 +393,8 @@ def generate_responses(model, tokenizer, prompts: list[tuple[str, list[dict]]], 
     ``prompt_teacher`` also stores it at the prompt's positions (``prompt_topk_*``, for ``train.prompt_loss``):
     the prefill computed them anyway, only its LM head runs on every position instead of the last.
     ``teacher_hidden_layer`` > 0 also stores, per reply token, the target's residual stream after that many layers
-    (``hidden``, fp16) at the position whose logits sampled it: the intermediate teacher of ``train.hidden_weight``.
+    (``hidden``, fp16) at the position whose logits sampled it: the intermediate teacher of ``train.hidden_weight``
+    (a list of layers: their states side by side; the last layer's after the final norm).
 
     Prompts are sorted by length (less padding) and cut into batches of ``batch_size``; up to
     ``max_active_rows`` rows (0: one batch) decode together, a new batch joining as finished rows leave
@@ -589,7 +592,7 @@ def generated_dir(target_path: str, gen, data, split: str = "train") -> Path:
     if gen.prompt_teacher:
         parts.append("prompt-teacher")
     if gen.teacher_hidden_layer:
-        parts.append(f"hidden-L{gen.teacher_hidden_layer}")
+        parts.append("hidden-L" + "-".join(map(str, hidden_layers(gen.teacher_hidden_layer))))
     key = json.dumps(parts)
     name = Path(target_path).name or "target"
     return cache_dir() / "generated" / f"{name}-{split}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -626,12 +629,13 @@ def load_conversations(data) -> list[dict]:
 TEACHER_PASS = "specdistill.teacher_pass/1"
 
 
-def teacher_pass(model, rows: datasets.Dataset, out_dir: str | Path, top_k: int, hidden_layer: int = 0,
+def teacher_pass(model, rows: datasets.Dataset, out_dir: str | Path, top_k: int, hidden_layer: int | list[int] = 0,
                  rows_per_forward: int = 8, rows_per_shard: int = 32, max_minutes: float = 0.0,
                  seed: int = 0) -> datasets.Dataset:
     """The target's top-k log-probs (T=1) at every loss position of fixed rows (``input_ids``, ``loss_mask``:
     ShareGPT's own replies), and with ``hidden_layer`` > 0 its residual stream after that many layers at the
-    position before each loss token (fp16), in the layout ``generated_to_teacher_rows`` gives generated sets.
+    position before each loss token (fp16; a list of layers: side by side, the last one after the final norm), in
+    the layout ``generated_to_teacher_rows`` gives generated sets.
 
     One teacher-forced forward per ``rows_per_forward`` rows scores every position at once (a decode step, one
     per row): 1.86× the stored tokens per minute of the pooled generation on 2 Zen 4 cores in bf16, at the price
@@ -648,7 +652,8 @@ def teacher_pass(model, rows: datasets.Dataset, out_dir: str | Path, top_k: int,
     if top_k < 1:
         raise DataError("the teacher pass stores the target's top-k: generate.teacher_top_k must be > 0")
     layers = model.config.num_hidden_layers
-    if not 0 <= hidden_layer <= layers:
+    wanted = hidden_layers(hidden_layer)
+    if not all(1 <= layer <= layers for layer in wanted):
         raise DataError(f"generate.teacher_hidden_layer={hidden_layer}: the target has {layers} decoder layers")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -697,7 +702,8 @@ def teacher_pass(model, rows: datasets.Dataset, out_dir: str | Path, top_k: int,
                 record = {"input_ids": list(r["input_ids"]), "loss_mask": mask,
                           "topk_ids": top_ids.int().tolist(), "topk_logp": top_logp.half().float().tolist()}
                 if hidden_layer:
-                    record["hidden"] = out.hidden_states[hidden_layer][i, at].half().float().numpy()
+                    record["hidden"] = torch.cat([out.hidden_states[layer][i, at] for layer in wanted],
+                                                 dim=-1).half().float().numpy()
                 records.append(record)
                 scored += len(at)
         save_shard(out_dir, index, datasets.Dataset.from_list(records, features=features),
@@ -714,7 +720,7 @@ def teacher_pass(model, rows: datasets.Dataset, out_dir: str | Path, top_k: int,
     return load_generated(out_dir)
 
 
-def teacher_pass_dir(target_path: str, dtype: str, rows: datasets.Dataset, top_k: int, hidden_layer: int,
+def teacher_pass_dir(target_path: str, dtype: str, rows: datasets.Dataset, top_k: int, hidden_layer: int | list[int],
                      seed: int) -> Path:
     """Cache folder for a teacher pass, keyed by target, its dtype, the rows and what is stored."""
     from .assets import cache_dir

@@ -1,6 +1,6 @@
 """What ``make demo`` runs: the embedded default end to end.
 
-Train the draft with the quick preset (FKL distillation on the target's own replies, from the teacher top-k
+Train the draft with the quick preset (JSD logit distillation on the target's own replies, from the teacher top-k
 stored at generation: the best measured recipe per CPU-minute; the generated set is cached after the first
 run) → acceptance of the draft at init vs trained on MT-bench → a speculative decode of one MT-bench prompt
 against target-only decoding → export for serving.

@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from . import kernels
+from .config import hidden_layers
 from .losses import teacher_topk
 
 
@@ -150,8 +151,8 @@ class GenerationOutput:
     teacher: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # With ``record_prompt``: the same at prompt positions 0..P-2 (each predicting the next prompt token).
     prompt_teacher: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    # With ``record_hidden_layer``: per new token, the target's residual stream after that many layers at the
-    # position whose logits sampled it (the intermediate teacher of ``train.hidden_weight``).
+    # With ``record_hidden_layer``: per new token, the target's residual stream after that many layers (each
+    # layer's, side by side) at the position whose logits sampled it (the teacher of ``train.hidden_weight``).
     hidden: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -540,7 +541,7 @@ def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]
                            max_new_tokens: int = 128, eos_token_id=None, temperature: float = 0.0,
                            top_k: int = 0, top_p: float = 1.0, seed: int | None = 0,
                            stop_sequences: list[list[int]] | None = None, record_top_k: int = 0,
-                           record_prompt: bool = False, record_hidden_layer: int = 0
+                           record_prompt: bool = False, record_hidden_layer: int | list[int] = 0
                            ) -> Iterator[tuple[int, list[GenerationOutput]]]:
     """``target_only_generate_batch`` over a stream of prompt batches, decoding up to ``max_active_rows`` rows
     together: yields ``(index, outputs)`` as each batch's last row finishes.
@@ -553,27 +554,40 @@ def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]
     on the rows it shares the pool with, only float rounding of the batch shape can differ (``seed=None``: the
     global RNG). Per-row stats: ``ttft_s`` and ``seconds`` count from the row's batch being pulled.
     ``record_hidden_layer`` > 0 keeps, per new token, the output of decoder layer ``record_hidden_layer`` (1-based)
-    at the position that sampled it, read by a forward hook on the very forwards that decode.
+    at the position that sampled it, read by a forward hook on the very forwards that decode; a list keeps each
+    layer's, concatenated in its order. The last layer is read after the final norm, as the LM head sees it (and
+    as ``output_hidden_states`` reports it).
     """
     params = SamplingParams(temperature, top_k, top_p)
     if record_prompt and not record_top_k:
         raise ValueError("record_prompt needs record_top_k > 0")
-    layers = getattr(target, target.base_model_prefix).layers
-    if not 0 <= record_hidden_layer <= len(layers):
-        raise ValueError(f"record_hidden_layer={record_hidden_layer}: the target has {len(layers)} decoder layers")
-    if record_hidden_layer and record_prompt:
+    body = getattr(target, target.base_model_prefix)
+    wanted = hidden_layers(record_hidden_layer)
+    if not all(1 <= layer <= len(body.layers) for layer in wanted):
+        raise ValueError(f"record_hidden_layer={record_hidden_layer}: the target has {len(body.layers)} decoder layers")
+    if wanted and record_prompt:
         raise ValueError("record_hidden_layer records reply positions only: not with record_prompt")
-    captured: dict[str, torch.Tensor] = {}
-    hook = None
-    if record_hidden_layer:
-        hook = layers[record_hidden_layer - 1].register_forward_hook(
-            lambda _module, _args, output: captured.__setitem__("h", output[0] if isinstance(output, tuple) else output))
+    captured: dict[int, torch.Tensor] = {}
+    hooks = []
+    if len(body.layers) in wanted and not isinstance(getattr(body, "norm", None), torch.nn.Module):
+        raise ValueError(f"record_hidden_layer={record_hidden_layer}: the last layer is read after the final norm, "
+                         f"and this target has no `norm` module: ask for an earlier layer")
+    for slot, layer in enumerate(wanted):
+        module = body.norm if layer == len(body.layers) else body.layers[layer - 1]
+        hooks.append(module.register_forward_hook(
+            lambda _module, _args, output, slot=slot: captured.__setitem__(
+                slot, output[0] if isinstance(output, tuple) else output)))
     try:
         yield from _generate_stream(target, batches, max_active_rows, max_new_tokens, eos_token_id, params, seed,
-                                    stop_sequences, record_top_k, record_prompt, captured if hook else None)
+                                    stop_sequences, record_top_k, record_prompt, captured if hooks else None)
     finally:
-        if hook is not None:
+        for hook in hooks:
             hook.remove()
+
+
+def _hooked_state(captured: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The hooked layers' states of the last forward, side by side in the order asked for."""
+    return captured[0] if len(captured) == 1 else torch.cat([captured[i] for i in range(len(captured))], dim=-1)
 
 
 def _generate_stream(target, batches, max_active_rows, max_new_tokens, eos_token_id, params, seed, stop_sequences,
@@ -613,7 +627,8 @@ def _generate_stream(target, batches, max_active_rows, max_new_tokens, eos_token
             else:
                 first = joining.feed([list(p) for p in prompts], last_only=True)
             if captured is not None:  # each prompt's last position (rows are right-padded in the prefill)
-                first_hidden = torch.stack([captured["h"][b, len(p) - 1] for b, p in enumerate(prompts)])
+                state = _hooked_state(captured)
+                first_hidden = torch.stack([state[b, len(p) - 1] for b, p in enumerate(prompts)])
             if pool is None:
                 pool, last = joining, first
                 pool.max_spare_slots, pool.compact_above = POOL_SPARE_SLOTS, 0
@@ -662,7 +677,7 @@ def _generate_stream(target, batches, max_active_rows, max_new_tokens, eos_token
             pool.select(still)
         last = pool.feed(feed, last_only=True)
         if captured is not None:
-            last_hidden = captured["h"][:, 0]  # one new token per row
+            last_hidden = _hooked_state(captured)[:, 0]  # one new token per row
 
 
 PREFILL_CHUNK = 64  # positions per prefill forward when prompt logits are kept: B × 64 × V floats at most

@@ -28,7 +28,7 @@ from torch import nn
 
 from .acceptance import expected_tau, greedy_block_acceptance, token_acceptance
 from .assets import atomic_write_dir, cache_dir
-from .config import DistillConfig, GenerateConfig, record_run, to_dict
+from .config import DistillConfig, GenerateConfig, hidden_layers, record_run, to_dict
 from .data import (
     GENERATOR_TAG,
     build_chat_dataset,
@@ -62,12 +62,14 @@ class DraftLoss(nn.Module):
     def __init__(self, draft: nn.Module, hidden_match: dict | None = None):
         super().__init__()
         self.draft = draft
-        # train.hidden_weight: a linear map from the draft's state after layer ``draft_layer`` to the target's
-        # stored state (standardised by the training set's per-channel mean / std). Trained, never saved with the draft.
-        self.draft_layer = 0
+        # train.hidden_weight: per stored target layer, a linear map from the draft's state after layer
+        # ``draft_layers[j]`` to the target's stored state (standardised by the training set's per-channel mean /
+        # std; the stored layers sit side by side). Trained, never saved with the draft.
+        self.draft_layers: list[int] = []
         if hidden_match is not None:
-            self.draft_layer = hidden_match["draft_layer"]
-            self.hidden_map = nn.Linear(draft.config.hidden_size, hidden_match["mean"].numel())
+            self.draft_layers = hidden_match["draft_layers"]
+            width = hidden_match["mean"].numel() // len(self.draft_layers)
+            self.hidden_maps = nn.ModuleList(nn.Linear(draft.config.hidden_size, width) for _ in self.draft_layers)
             self.register_buffer("hidden_mean", hidden_match["mean"].float())
             self.register_buffer("hidden_std", hidden_match["std"].float())
 
@@ -75,10 +77,15 @@ class DraftLoss(nn.Module):
         return self.draft.get_base_model() if hasattr(self.draft, "get_base_model") else self.draft
 
     def hidden_term(self, hidden_states, select, teacher_hidden):
-        """The unweighted hidden-state loss, summed over the selected positions."""
+        """The unweighted hidden-state loss, summed over the selected positions and the matched layers."""
         # hidden_states[j] is the output of layer j (1-based) for j below the last; the last entry is normed.
-        state = hidden_states[self.draft_layer][:, :-1][select]
-        return hidden_state_loss(self.hidden_map(state), teacher_hidden, self.hidden_mean, self.hidden_std)
+        total = 0.0
+        for j, (layer, hidden_map) in enumerate(zip(self.draft_layers, self.hidden_maps)):
+            part = slice(j * hidden_map.out_features, (j + 1) * hidden_map.out_features)
+            state = hidden_states[layer][:, :-1][select]
+            total = total + hidden_state_loss(hidden_map(state), teacher_hidden[:, part], self.hidden_mean[part],
+                                              self.hidden_std[part])
+        return total
 
     def forward(self, input_ids, attention_mask, select, teacher, labels, kind, beta, temperature, ce_weight,
                 chunk_size, vocab_ids=None, teacher_hidden=None, hidden_weight=0.0):
@@ -240,19 +247,27 @@ def stored_hidden_states(rows) -> tuple[torch.Tensor, list[int]]:
 
 
 def draft_match_layer(draft_layers: int, target_layer: int, target_layers: int) -> int:
-    """The draft layer at the target layer's relative depth (1-based; at most the second to last, whose output is
-    un-normed: ``hidden_states``' last entry is after the final norm), for ``train.hidden_weight``."""
+    """The draft layer at the target layer's relative depth (1-based), for ``train.hidden_weight``. The target's
+    last layer is stored after its final norm and matched by the draft's last state, which ``hidden_states``
+    also reports after the norm; any other layer by one of the draft's un-normed states (at most the second to
+    last)."""
+    if target_layer == target_layers:
+        return draft_layers
     return max(1, min(round(draft_layers * target_layer / target_layers), max(draft_layers - 1, 1)))
 
 
-def hidden_matching(rows, draft_depth: int, target_layer: int, target_depth: int):
+def hidden_matching(rows, draft_depth: int, target_layer: int | list[int], target_depth: int):
     """``rows`` without their stored target states, those states as one (N, d) tensor with each row's bounds, and
-    what ``DraftLoss`` needs to match them: the draft layer at the same relative depth and the states' per-channel
-    mean / std (from up to 65,536 of them, a fixed sample)."""
+    what ``DraftLoss`` needs to match them: per stored layer the draft layer at the same relative depth, and the
+    states' per-channel mean / std (from up to 65,536 of them, a fixed sample)."""
+    layers = hidden_layers(target_layer)
     states, bounds = stored_hidden_states(rows)
+    if not layers or states.shape[1] % len(layers):
+        raise ValueError(f"the stored states are {states.shape[1]} wide: not {len(layers)} layers side by side "
+                         f"(generate.teacher_hidden_layer={target_layer})")
     rows = rows.remove_columns("hidden")  # read from the tensor: a batch never builds them as lists
     sample = states[torch.randperm(len(states), generator=torch.Generator().manual_seed(0))[:65536]].float()
-    match = {"draft_layer": draft_match_layer(draft_depth, target_layer, target_depth),
+    match = {"draft_layers": [draft_match_layer(draft_depth, layer, target_depth) for layer in layers],
              "mean": sample.mean(0), "std": sample.std(0).clamp_min(1e-3)}
     return rows, states, bounds, match
 
@@ -502,8 +517,9 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
     if tc.hidden_weight:
         rows, target_states, state_bounds, hidden_match = hidden_matching(
             rows, draft.config.num_hidden_layers, cfg.generate.teacher_hidden_layer, target.config.num_hidden_layers)
-        accelerator.print(f"train.hidden_weight={tc.hidden_weight}: draft layer {hidden_match['draft_layer']} matched to "
-                          f"target layer {cfg.generate.teacher_hidden_layer} on {len(target_states):,} stored states")
+        pairs = ", ".join(f"draft layer {d} to target layer {t}" for d, t in
+                          zip(hidden_match["draft_layers"], hidden_layers(cfg.generate.teacher_hidden_layer)))
+        accelerator.print(f"train.hidden_weight={tc.hidden_weight}: {pairs}, on {len(target_states):,} stored states")
     evalset = eval_set(target, tokenizer, cfg) if accelerator.is_main_process else None
     if tc.data_mode in ("cache", "fixed-cache"):
         if "topk_ids" not in rows.column_names:  # no teacher stored at generation: one target pass over the set

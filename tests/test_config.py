@@ -39,6 +39,20 @@ def test_out_of_range_and_type_errors_name_key():
         DraftConfig(init="pretrained")
 
 
+def test_teacher_hidden_layer_takes_one_layer_or_an_increasing_list():
+    from specdistill.config import hidden_layers
+
+    base = ["generate.teacher_top_k=8"]
+    cfg = load_config(DistillConfig, None, [*base, "generate.teacher_hidden_layer=[15,30]"])
+    assert cfg.generate.teacher_hidden_layer == [15, 30] and hidden_layers(cfg.generate.teacher_hidden_layer) == [15, 30]
+    # One layer has one form, so [15] and 15 name the same generated set.
+    assert load_config(DistillConfig, None, [*base, "generate.teacher_hidden_layer=[15]"]).generate.teacher_hidden_layer == 15
+    assert hidden_layers(0) == [] and hidden_layers(15) == [15]
+    for bad in ("[30,15]", "[0,15]", "[15,15]", "[]", "-1"):
+        with pytest.raises(ConfigError, match="generate.teacher_hidden_layer"):
+            load_config(DistillConfig, None, [*base, f"generate.teacher_hidden_layer={bad}"])
+
+
 def test_bad_override_syntax_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="key=value"):
         parse_overrides(["draft.num_layers"])

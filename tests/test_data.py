@@ -313,6 +313,17 @@ def test_generation_stores_the_targets_hidden_state_behind_each_reply_token(tmp_
     with pytest.raises(ValueError, match="decoder layers"):
         generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "deep", teacher_hidden_layer=9, **kwargs)
 
+    # Two layers, side by side; the last one after the final norm, as output_hidden_states reports it.
+    both = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "both", teacher_hidden_layer=[1, 2],
+                              **kwargs)
+    assert both["response_ids"] == stored["response_ids"]  # what is stored does not change what is sampled
+    for row in generated_to_teacher_rows(both, seq_len=10_000, top_k=4, hidden=True):
+        batch = pad_batch([row], 10_000, tiny_tokenizer.pad_token_id)
+        with torch.inference_mode():
+            out = tiny_target(input_ids=batch["input_ids"], output_hidden_states=True)
+        want = torch.cat([out.hidden_states[1], out.hidden_states[2]], -1)[0, :-1][batch["select"][0]]
+        torch.testing.assert_close(torch.tensor(row["hidden"]), want, atol=3e-3, rtol=3e-3)
+
 
 class _Killed(Exception):
     pass
@@ -346,6 +357,15 @@ def test_teacher_pass_stores_the_targets_top_k_and_state_at_each_loss_token_and_
         assert torch.equal(torch.tensor(row["topk_ids"]), want_ids)
         assert torch.allclose(torch.tensor(row["topk_logp"]), want_logp, atol=2e-2)  # stored in fp16
         assert torch.allclose(torch.tensor(row["hidden"]), out.hidden_states[1][0, at], atol=2e-2)
+
+    # Two layers side by side, the last one after the final norm (output_hidden_states' last entry).
+    both = teacher_pass(tiny_target, rows, tmp_path / "both", **{**kwargs, "hidden_layer": [1, 2]})
+    for row in both:
+        with torch.inference_mode():
+            out = tiny_target(input_ids=torch.tensor([row["input_ids"]]), output_hidden_states=True)
+        at = torch.tensor(row["loss_mask"][1:], dtype=torch.bool).nonzero().squeeze(1)
+        want = torch.cat([out.hidden_states[1][0, at], out.hidden_states[2][0, at]], -1)
+        assert torch.allclose(torch.tensor(row["hidden"]), want, atol=2e-2)
 
     as_set = lambda ds: sorted(
         (tuple(ids), tuple(map(tuple, topk))) for ids, topk in zip(ds["input_ids"], ds["topk_ids"])

@@ -257,12 +257,13 @@ def test_prompt_loss_trains_on_prompt_positions_too(tiny_pair_dir, conversations
 
 def test_fixed_cache_trains_on_the_teacher_stored_by_one_pass_over_sharegpt_replies(tiny_pair_dir, conversations,
                                                                                     tmp_path, monkeypatch):
-    """train.data_mode=fixed-cache: ShareGPT's replies, the target's top-k and hidden state from one stored pass
-    (no generation, no live teacher); a second run reads the stored pass; a resumed run ends on the same weights."""
+    """train.data_mode=fixed-cache: ShareGPT's replies, the target's top-k and two layers' states (one per draft
+    layer) from one stored pass (no generation, no live teacher); a second run reads the stored pass; a resumed run
+    ends on the same weights."""
     monkeypatch.setenv("SPECDISTILL_CACHE", str(tmp_path / "cache"))
     shared = ["train.data_mode=fixed-cache", "generate.teacher_top_k=6", "train.cache_top_k=4", "generate.num_prompts=12",
-              "generate.teacher_hidden_layer=1", "train.hidden_weight=1.0", "train.max_steps=4", "train.eval_prompts=0",
-              "draft.num_layers=2"]
+              "generate.teacher_hidden_layer=[1,2]", "train.hidden_weight=1.0", "train.max_steps=4",
+              "train.eval_prompts=0", "draft.num_layers=2"]
     result = run(config(tiny_pair_dir, conversations, tmp_path / "fixed-cache", *shared))
     assert result["steps"] == 4 and result["loss_tokens"] > 0
     assert not (tmp_path / "cache" / "generated").exists() and not (tmp_path / "cache" / "teacher").exists()
@@ -364,6 +365,46 @@ def test_two_process_gloo_matches_single(tiny_pair_dir, conversations, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "world_size=2" in proc.stdout + proc.stderr or (double / "run.json").read_text().count('"num_processes": 2')
     assert train_losses(double) == pytest.approx(train_losses(single), rel=1e-4)
+
+
+def test_several_stored_layers_are_each_matched_by_the_draft_layer_at_their_depth():
+    """generate.teacher_hidden_layer=[l1, l2, ...]: one map per stored layer, each fed by the draft layer at that
+    relative depth (the target's last layer by the draft's normed last state); the term is the sum of the
+    one-layer terms, so each layer weighs what a single matched layer weighs."""
+    import datasets
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdistill.data import HIDDEN_FEATURES
+    from specdistill.trainer import DraftLoss, draft_match_layer, hidden_matching
+
+    assert [draft_match_layer(2, t, 30) for t in (8, 15, 22, 30)] == [1, 1, 1, 2]
+    assert [draft_match_layer(4, t, 30) for t in (8, 15, 22, 30)] == [1, 2, 3, 4]
+    torch.manual_seed(0)
+    draft = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    states = torch.randn(40, 3 * 12) * torch.linspace(0.5, 5, 36)
+    features = datasets.Features({**HIDDEN_FEATURES, "loss_mask": datasets.Sequence(datasets.Value("int8"))})
+    rows = datasets.Dataset.from_list([{"hidden": states[:25].tolist(), "loss_mask": [1] * 25},
+                                       {"hidden": states[25:].tolist(), "loss_mask": [0] + [1] * 15}],
+                                      features=features)
+    _, stored, bounds, match = hidden_matching(rows, 4, [8, 22, 30], 30)
+    assert match["draft_layers"] == [1, 3, 4] and bounds == [0, 25, 40] and stored.shape == (40, 36)
+    module = DraftLoss(draft, match)
+    assert len(module.hidden_maps) == 3 and all(m.out_features == 12 for m in module.hidden_maps)
+    ids = torch.randint(0, 50, (2, 21))
+    select = torch.ones(2, 20, dtype=torch.bool)
+    out = draft.model(input_ids=ids, output_hidden_states=True)
+    teacher = stored.float()
+    total = module.hidden_term(out.hidden_states, select, teacher)
+    parts = []
+    for j in range(3):
+        one = DraftLoss(draft, {"draft_layers": [match["draft_layers"][j]], "mean": match["mean"][12 * j: 12 * (j + 1)],
+                                "std": match["std"][12 * j: 12 * (j + 1)]})
+        one.hidden_maps[0].load_state_dict(module.hidden_maps[j].state_dict())
+        parts.append(one.hidden_term(out.hidden_states, select, teacher[:, 12 * j: 12 * (j + 1)]))
+    assert total.item() == pytest.approx(sum(p.item() for p in parts), rel=1e-5)
+    with pytest.raises(ValueError, match="not 5 layers side by side"):
+        hidden_matching(rows, 4, [1, 2, 3, 4, 5], 30)
 
 
 def test_hidden_state_matching_trains_resumes_bit_exact_and_saves_a_plain_draft(tiny_pair_dir, conversations, tmp_path,
