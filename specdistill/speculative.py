@@ -567,11 +567,11 @@ def target_generate_stream(target, batches: Iterable[tuple[int, list[list[int]]]
         raise ValueError(f"record_hidden_layer={record_hidden_layer}: the target has {len(body.layers)} decoder layers")
     if wanted and record_prompt:
         raise ValueError("record_hidden_layer records reply positions only: not with record_prompt")
-    captured: dict[int, torch.Tensor] = {}
-    hooks = []
     if len(body.layers) in wanted and not isinstance(getattr(body, "norm", None), torch.nn.Module):
         raise ValueError(f"record_hidden_layer={record_hidden_layer}: the last layer is read after the final norm, "
                          f"and this target has no `norm` module: ask for an earlier layer")
+    captured: dict[int, torch.Tensor] = {}  # hook slot -> that layer's output in the last forward
+    hooks = []
     for slot, layer in enumerate(wanted):
         module = body.norm if layer == len(body.layers) else body.layers[layer - 1]
         hooks.append(module.register_forward_hook(
