@@ -108,6 +108,11 @@ RECIPES = {
     "rkl-cache-hv16k-hidden": [*FKL_CACHE_HV16K_HIDDEN, "train.loss=rkl", "train.hidden_weight=1.0"],
     "jsd-cache-hv16k-hidden": [*FKL_CACHE_HV16K_HIDDEN, "train.loss=jsd", "train.hidden_weight=1.0"],
     "tvd-cache-hv16k-hidden": [*FKL_CACHE_HV16K_HIDDEN, "train.loss=tvd", "train.hidden_weight=1.0"],
+    # JSD's interpolation: β 0 is FKL, 1 is RKL; the quick preset's 0.5 was the only one run at first.
+    "jsd-b0.25-cache-hv16k-hidden": [*FKL_CACHE_HV16K_HIDDEN, "train.loss=jsd", "train.beta=0.25",
+                                     "train.hidden_weight=1.0"],
+    "jsd-b0.75-cache-hv16k-hidden": [*FKL_CACHE_HV16K_HIDDEN, "train.loss=jsd", "train.beta=0.75",
+                                     "train.hidden_weight=1.0"],
     # The full preset's 4 x 384 draft with the term (its layer 2 of 4 matched to the target's 15 of 30).
     "fkl-cache-hv16k-hidden-4x384": [*FKL_CACHE_HV16K_HIDDEN, "train.hidden_weight=1.0", "draft.num_layers=4",
                                      "draft.hidden_size=384"],
