@@ -670,7 +670,7 @@ def teacher_pass(model, rows: datasets.Dataset, out_dir: str | Path, top_k: int,
     random.Random(seed).shuffle(todo)
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
                                   "loss_mask": datasets.Sequence(datasets.Value("int8")),
-                                  **TEACHER_FEATURES, **(HIDDEN_FEATURES if hidden_layer else {})})
+                                  **TEACHER_FEATURES, **(HIDDEN_FEATURES if wanted else {})})
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     started, scored, written = time.perf_counter(), 0, 0
     bar = tqdm(total=len(todo), desc="teacher pass", unit="shard")
@@ -690,7 +690,7 @@ def teacher_pass(model, rows: datasets.Dataset, out_dir: str | Path, top_k: int,
             with torch.inference_mode():
                 # The body, then the LM head at loss positions only (prompt and padding positions need none).
                 out = getattr(model, model.base_model_prefix)(input_ids=ids, attention_mask=attention,
-                                                              output_hidden_states=bool(hidden_layer))
+                                                              output_hidden_states=bool(wanted))
             for i, r in enumerate(chunk):
                 # Position t predicts token t + 1: the teacher of loss token t + 1 sits at t (the first token
                 # has no position before it, so it is never a loss token).
@@ -701,7 +701,7 @@ def teacher_pass(model, rows: datasets.Dataset, out_dir: str | Path, top_k: int,
                 top_ids, top_logp = teacher_topk(logits, top_k)
                 record = {"input_ids": list(r["input_ids"]), "loss_mask": mask,
                           "topk_ids": top_ids.int().tolist(), "topk_logp": top_logp.half().float().tolist()}
-                if hidden_layer:
+                if wanted:
                     record["hidden"] = torch.cat([out.hidden_states[layer][i, at] for layer in wanted],
                                                  dim=-1).half().float().numpy()
                 records.append(record)
