@@ -491,7 +491,6 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
     set_seed(tc.seed)
     if accelerator.is_main_process:
         record_run(out, cfg, seed=tc.seed, extra={"num_processes": accelerator.num_processes})
-    accelerator.init_trackers("tb", config={k: str(v) for k, v in to_dict(cfg).items()})
 
     tokenizer = load_tokenizer(cfg.target.path)
     target = load_model(cfg.target.path, cfg.target.dtype).to(accelerator.device)
@@ -559,6 +558,10 @@ def run(cfg: DistillConfig, resume: bool = False) -> dict:
             accelerator.load_state(str(ckpt))
             state = json.loads((ckpt / "trainer_state.json").read_text())
             accelerator.print(f"resumed from {ckpt} (step {state['step']})")
+    # Opened after the resume so that TensorBoard, like the CSVs (restore_history), drops what the killed run logged
+    # after its checkpoint, or all of an earlier run's events in this folder when this run starts fresh.
+    accelerator.init_trackers("tb", config={k: str(v) for k, v in to_dict(cfg).items()},
+                              init_kwargs={"tensorboard": {"purge_step": state["step"] + 1 if state["step"] else 0}})
 
     stop = {"signal": None}
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
 
 from specdistill.config import ConfigError, DistillConfig, load_config
 from specdistill.models import ReducedHeadDraft, load_draft, load_tokenizer
@@ -121,6 +123,8 @@ def test_resume_is_bit_exact(tiny_pair_dir, conversations, tmp_path):
     header, last = metrics.read_text().splitlines()[0], metrics.read_text().splitlines()[-1].split(",")
     last[header.split(",").index("step")], last[header.split(",").index("loss")] = "4", "99.0"
     metrics.write_text(metrics.read_text() + ",".join(last) + "\n")
+    with SummaryWriter(tmp_path / "staged" / "tb") as writer:  # and in TensorBoard
+        writer.add_scalar("loss", 99.0, global_step=4)
     run(config(tiny_pair_dir, conversations, tmp_path / "staged"), resume=True)
     a = load_file(tmp_path / "full" / "draft" / "model.safetensors")
     b = load_file(tmp_path / "staged" / "draft" / "model.safetensors")
@@ -129,9 +133,19 @@ def test_resume_is_bit_exact(tiny_pair_dir, conversations, tmp_path):
         assert torch.equal(a[key], b[key]), key
     assert train_losses(tmp_path / "full") == train_losses(tmp_path / "staged")
     assert train_losses(tmp_path / "staged", "step") == [float(step) for step in range(1, len(train_losses(tmp_path / "full")) + 1)]
+    assert tensorboard_losses(tmp_path / "staged") == tensorboard_losses(tmp_path / "full")
+    assert [step for step, _ in tensorboard_losses(tmp_path / "staged")] == list(range(1, len(train_losses(tmp_path / "full")) + 1))
     # A fresh run into a used folder starts its metrics over instead of appending to the old run's.
     run(config(tiny_pair_dir, conversations, tmp_path / "full", "train.save_every=100", "train.max_steps=2"))
     assert train_losses(tmp_path / "full", "step") == [1.0, 2.0]
+    assert [step for step, _ in tensorboard_losses(tmp_path / "full")] == [1, 2]
+
+
+def tensorboard_losses(out) -> list[tuple[int, float]]:
+    """(step, loss) as TensorBoard shows them: it applies the purge a resumed or restarted run writes."""
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    return [(event.step, round(event.value, 6)) for event in events.Scalars("loss")]
 
 
 def test_reduced_head_vocab_trains_resumes_bit_exact_and_keeps_the_full_head(tiny_pair_dir, conversations, tmp_path):
