@@ -192,7 +192,7 @@ def plot_acceptance_vs_minutes(points: list[dict], curves: list[dict], path: Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     recipes = sorted({p["recipe"] for p in points} | {c["recipe"] for c in curves})
     colors = {r: plt.cm.tab20(i % 20) for i, r in enumerate(recipes)}
     for curve in curves:
@@ -209,7 +209,8 @@ def plot_acceptance_vs_minutes(points: list[dict], curves: list[dict], path: Pat
     ax.set_title("Acceptance per CPU-minute (dots: 80 MT-bench prompts, fp32; lines: 40-prompt in-training eval)",
                  fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    # Outside the axes: inside, it sat on the long runs' curves, which end where a legend goes.
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
