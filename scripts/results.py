@@ -8,7 +8,8 @@ Reads every folder below the given roots that holds a report: ``eval.py`` report
 (``bench.json`` from ``scripts/bench_decode.py --out``) and sweeps (``sweep.json``). Each table row names the
 command that produced it. ``--write`` replaces only the text between the two GENERATED markers, so the
 hand-written analysis around it stays, and draws ``alpha_vs_minutes.png`` beside it: each evaluated draft's
-greedy α against its training minutes, with the in-training eval curves.
+greedy α against its training minutes, with the in-training eval curves (a ``draft.init=pretrained`` run that
+continues another run's draft starts at that run's minutes).
 
 Run folders are git-ignored, so one machine rarely holds them all: ``--write`` keeps the page's earlier table
 rows, decode-benchmark blocks and plot points (from ``alpha_vs_minutes.json``) whose folder is not on this
@@ -138,6 +139,20 @@ def recipe_label(run_folder: Path) -> str:
     return f"{kind} / {train.get('data_mode', '?')}"
 
 
+def earlier_minutes(run_folder: Path, depth: int = 8) -> float:
+    """Training minutes a run's draft had before the run: a ``draft.init=pretrained`` run continuing another
+    run's draft (``runs/x/draft``) starts at that run's clock, not at 0, on the acceptance-per-minute plot."""
+    cfg = yaml.safe_load((run_folder / "config.yaml").read_text()) if (run_folder / "config.yaml").is_file() else {}
+    draft = (cfg or {}).get("draft") or {}
+    if draft.get("init") != "pretrained" or not draft.get("path") or depth == 0:
+        return 0.0
+    parent = Path(draft["path"]).parent
+    metrics = _load(parent / "metrics.json")
+    if not isinstance(metrics, dict) or "elapsed_s" not in metrics or parent == run_folder:
+        return 0.0  # a draft from elsewhere (a hub checkpoint, a copied folder): its history is unknown
+    return metrics["elapsed_s"] / 60 + earlier_minutes(parent, depth - 1)
+
+
 def acceptance_points(reports: list[tuple[Path, dict]]) -> list[dict]:
     """One point per evaluated draft that a training run produced: its training minutes and final α."""
     points = []
@@ -158,7 +173,7 @@ def acceptance_points(reports: list[tuple[Path, dict]]) -> list[dict]:
                     or not (run_folder / "config.yaml").is_file():
                 continue  # an init draft or a folder from elsewhere: no training time to plot against
             d = report["drafts"][name]
-            points.append({"minutes": metrics["elapsed_s"] / 60, "alpha": d["alpha"]["0"],
+            points.append({"minutes": earlier_minutes(run_folder) + metrics["elapsed_s"] / 60, "alpha": d["alpha"]["0"],
                            "alpha_t1": d["alpha"].get("1"), "recipe": recipe_label(run_folder),
                            "run": str(run_folder), "report": str(folder)})
     return points
@@ -175,10 +190,11 @@ def training_curves(runs: list[tuple[Path, dict]]) -> list[dict]:
             continue
         clock = {int(r["step"]): float(r["elapsed_s"]) for r in csv.DictReader(trains.open())}
         clock[0] = 0.0
+        start = earlier_minutes(folder)
         xs, ys = [], []
         for r in csv.DictReader(evals.open()):
             if int(r["step"]) in clock:
-                xs.append(clock[int(r["step"])] / 60)
+                xs.append(start + clock[int(r["step"])] / 60)
                 ys.append(float(r["alpha_greedy"]))
         if len(xs) > 1:
             curves.append({"run": str(folder), "recipe": recipe_label(folder), "minutes": xs, "alpha": ys})

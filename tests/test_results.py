@@ -55,6 +55,32 @@ def test_acceptance_points_follow_a_renamed_run_folder_and_are_plotted(tmp_path,
     assert (tmp_path / "plot.png").stat().st_size > 1000
 
 
+def test_a_run_continuing_another_runs_draft_is_plotted_after_its_minutes(tmp_path, monkeypatch):
+    """draft.init=pretrained from runs/full/draft: the continuation's α belongs at full's minutes + its own."""
+    import json
+
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    for name, minutes, draft in (("full", 75.0, {"init": "fresh"}),
+                                 ("cont", 40.0, {"init": "pretrained", "path": "runs/full/draft"})):
+        run = Path("runs") / name
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text(yaml.safe_dump({"draft": draft, "train": {"loss": "jsd",
+                                                                                  "data_mode": "cache"}}))
+        (run / "metrics.json").write_text(json.dumps({"steps": 2, "elapsed_s": minutes * 60}))
+        (run / "train_metrics.csv").write_text("elapsed_s,step\n60.0,2\n")
+        (run / "eval_metrics.csv").write_text("alpha_greedy,step\n0.4,0\n0.45,2\n")
+        (Path("runs") / name / "eval").mkdir()
+        (Path("runs") / name / "eval" / "config.yaml").write_text(yaml.safe_dump({
+            "draft": [f"runs/{name}/draft"], "name": [name], "output_dir": f"runs/{name}/eval"}))
+    reports = [(Path("runs") / name / "eval", {"drafts": {name: _report({})["drafts"]["ce"]}}) for name in ("full", "cont")]
+
+    assert [p["minutes"] for p in results.acceptance_points(reports)] == [75.0, 115.0]
+    curves = results.training_curves([(Path("runs") / name, {}) for name in ("full", "cont")])
+    assert [c["minutes"] for c in curves] == [[0.0, 1.0], [75.0, 76.0]]
+
+
 def test_write_keeps_rows_and_points_of_folders_not_on_this_machine(tmp_path, monkeypatch):
     """Run folders are git-ignored: regenerating on another machine must not drop the page's earlier rows."""
     import json
