@@ -39,8 +39,14 @@ def _load(path: Path):
         return None
 
 
+def _config(folder: Path) -> dict:
+    """A run or report folder's resolved ``config.yaml``; {} where it has none."""
+    path = folder / "config.yaml"
+    return (yaml.safe_load(path.read_text()) if path.is_file() else None) or {}
+
+
 def eval_command(folder: Path) -> str:
-    args = yaml.safe_load((folder / "config.yaml").read_text()) if (folder / "config.yaml").is_file() else {}
+    args = _config(folder)
     if not args:
         return "(unknown)"
     parts = ["python eval.py", "--target", str(args["target"])]
@@ -142,8 +148,7 @@ def recipe_label(run_folder: Path) -> str:
 def earlier_minutes(run_folder: Path, depth: int = 8) -> float:
     """Training minutes a run's draft had before the run: a ``draft.init=pretrained`` run continuing another
     run's draft (``runs/x/draft``) starts at that run's clock, not at 0, on the acceptance-per-minute plot."""
-    cfg = yaml.safe_load((run_folder / "config.yaml").read_text()) if (run_folder / "config.yaml").is_file() else {}
-    draft = (cfg or {}).get("draft") or {}
+    draft = _config(run_folder).get("draft") or {}
     if draft.get("init") != "pretrained" or not draft.get("path") or depth == 0:
         return 0.0
     parent = Path(draft["path"]).parent
@@ -157,7 +162,7 @@ def acceptance_points(reports: list[tuple[Path, dict]]) -> list[dict]:
     """One point per evaluated draft that a training run produced: its training minutes and final α."""
     points = []
     for folder, report in reports:
-        args = (yaml.safe_load((folder / "config.yaml").read_text()) if (folder / "config.yaml").is_file() else None) or {}
+        args = _config(folder)
         paths, names = args.get("draft") or [], args.get("name") or []
         # A report folder renamed after the run (runs/demo -> runs/demo-slowday) names drafts by their old
         # paths: move those along with it, or every copy would read the same training run.
