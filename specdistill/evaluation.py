@@ -78,8 +78,10 @@ def continuation_set(target, tokenizer, target_name: str, prompts, max_new_token
 
 
 @torch.no_grad()
-def _step_seconds(model, prefix: torch.Tensor, new: int) -> float:
-    """Seconds of one ``new``-token forward on top of a fresh KV cache holding ``prefix``."""
+def _step_seconds(model, prefix: torch.Tensor, new: int, row_invariant: bool = False) -> float:
+    """Seconds of one ``new``-token forward on top of a fresh KV cache holding ``prefix``.
+
+    ``row_invariant``: with the target's kernels in our decoder (bf16: ``kernels``' row-invariant rules)."""
     from transformers import DynamicCache
 
     from .speculative import cache_kwarg
@@ -88,17 +90,17 @@ def _step_seconds(model, prefix: torch.Tensor, new: int) -> float:
     cache = DynamicCache(config=model.config)
     model(input_ids=prefix, use_cache=True, **{kwarg: cache})
     step = torch.randint(0, model.config.vocab_size, (1, new))
-    kernels.prepare(model)  # timed with the kernels our decoder runs (speculative._CachedModel)
-    with kernels.small_batch_kernels():
+    kernels.prepare(model, row_invariant)  # timed with the kernels our decoder runs (speculative._CachedModel)
+    with kernels.small_batch_kernels(row_invariant):
         t0 = time.perf_counter()
         model(input_ids=step, use_cache=True, **{kwarg: cache})
         return time.perf_counter() - t0
 
 
-def time_step(model, context: int = 128, new: int = 1, repeats: int = 15) -> float:
+def time_step(model, context: int = 128, new: int = 1, repeats: int = 15, row_invariant: bool = False) -> float:
     """Median seconds of a ``new``-token forward on top of a ``context``-token KV cache."""
     prefix = torch.randint(0, model.config.vocab_size, (1, context))
-    times = [_step_seconds(model, prefix, new) for _ in range(repeats)]
+    times = [_step_seconds(model, prefix, new, row_invariant) for _ in range(repeats)]
     return statistics.median(times[2:])
 
 
@@ -111,7 +113,8 @@ def paired_verify_cost(target, gammas: list[int], context: int = 128, repeats: i
     prefix = torch.randint(0, target.config.vocab_size, (1, context))
     verify = {}
     for g in gammas:
-        pairs = [(_step_seconds(target, prefix, g + 1), _step_seconds(target, prefix, 1)) for _ in range(repeats)][2:]
+        pairs = [(_step_seconds(target, prefix, g + 1, True), _step_seconds(target, prefix, 1, True))
+                 for _ in range(repeats)][2:]
         verify[g] = statistics.median(v / t for v, t in pairs)
     return verify
 
@@ -124,7 +127,7 @@ def paired_cost_ratio(draft, target, context: int = 128, repeats: int = 15) -> t
     architecture). Alternating moves both sides of each ratio together.
     """
     prefix = torch.randint(0, target.config.vocab_size, (1, context))
-    pairs = [(_step_seconds(draft, prefix, 1), _step_seconds(target, prefix, 1)) for _ in range(repeats)][2:]
+    pairs = [(_step_seconds(draft, prefix, 1), _step_seconds(target, prefix, 1, True)) for _ in range(repeats)][2:]
     return statistics.median(d for d, _ in pairs), statistics.median(d / t for d, t in pairs)
 
 
@@ -273,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     categories = [r["category"] for r in rows]
     print(f"{len(rows)} prompts, {sum(sum(r['loss_mask']) for r in rows):,} continuation tokens")
     target_logits = logits_at_targets(target, rows, tokenizer.pad_token_id)
-    target_step = time_step(target)
+    target_step = time_step(target, row_invariant=True)
     verify = paired_verify_cost(target, gammas)
     print(f"target step {target_step * 1e3:.1f} ms; verify cost v(γ): " +
           ", ".join(f"{g}:{v:.2f}" for g, v in verify.items()))

@@ -15,6 +15,20 @@ HF ``generate`` on the same model objects keeps its own kernels and the side-by-
 Training (grad enabled), other dtypes and other devices always use ``F.linear``. The result equals
 ``F.linear``'s up to fp32 summation order, the same kind of difference as between a 1-token step and a
 (γ+1)-token verify, which the greedy-identity tests already cover.
+
+**Row-invariant bf16** (``small_batch_kernels(row_invariant=True)``, the target's forwards in our loops). In
+bf16 that kind of difference is not small: a 2-token verify rounded differently from a 1-token step and
+flipped the target's argmax at near-ties within a few dozen tokens, so bf16 speculative decoding was not
+token-identical to bf16 target-only decoding (HF assisted generation's neither). Two things made a verify
+row differ from the step that decodes the same position, found layer by layer on SmolLM2-135M (Zen 4,
+oneDNN): (1) a bf16 linear on 1 row takes a GEMV kernel whose sums round differently from the GEMM that
+2–16 rows take, while the GEMM's rows are independent of how many rows share the call; so one row is
+doubled to two. (2) SDPA over γ+1 causal queries blocks its sums differently from one query over its
+prefix; so, at batch 1, each verify row attends on its own, over exactly the prefix the one-token step
+would see (``_rowwise_sdpa``). Every other op of a Llama layer is per row already. The verify's logits are
+then bit for bit the one-token steps' (tests/test_kernels.py; 0 of 140 logit rows differ on the real
+target, against 127 of 140 without), so greedy speculative output equals target-only output in bf16 too.
+Cost on the Zen 4 machine: 41.0 → 43.1 ms for a 1-token step, 42.0 → 45.7 ms for a 2-token verify.
 """
 
 from __future__ import annotations
@@ -25,13 +39,19 @@ import types
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 HEAD_WEIGHT = 1 << 22  # elements: the LM heads (18.9M, 28.3M), not the layers (≤ 0.9M)
 HEAD_MAX_ROWS = 64  # 1.2–1.3× still at 32–48 rows; a prefill has hundreds and keeps F.linear
 MID_WEIGHT = 1 << 18  # elements: SmolLM2's q/o (331k) and MLP (885k) weights, the draft's MLP (393k)
 MID_ROWS = (2, 3, 4)
 
+ROWWISE_ATTENTION = "specdistill_rowwise_sdpa"  # the name ``prepare(..., row_invariant=True)`` gives SDPA
+
 _enabled = contextvars.ContextVar("specdistill_small_batch_kernels", default=False)
+_row_invariant = contextvars.ContextVar("specdistill_row_invariant", default=False)
 
 
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,7 +74,15 @@ def faster_than_linear(weight_elements: int, rows: int) -> bool:
     return weight_elements >= MID_WEIGHT and rows in MID_ROWS
 
 
+def _row_invariant_applies(x: torch.Tensor) -> bool:
+    return (_row_invariant.get() and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and not torch.is_grad_enabled())
+
+
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if _row_invariant_applies(x) and x.numel() == x.shape[-1]:  # one row: through the GEMM that 2+ rows take
+        flat = x.reshape(1, x.shape[-1])
+        return F.linear(torch.cat([flat, flat]), self.weight, self.bias)[:1].reshape(*x.shape[:-1], -1)
     if (_enabled.get() and x.dtype == torch.float32 and self.weight.dtype == torch.float32
             and x.device.type == "cpu" and not torch.is_grad_enabled()
             and faster_than_linear(self.weight.numel(), x.numel() // max(x.shape[-1], 1))):
@@ -62,18 +90,52 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias)
 
 
-def prepare(model: torch.nn.Module) -> torch.nn.Module:
-    """Route ``model``'s linears through ``_forward`` (idempotent); they behave as before outside the context."""
+def _rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """SDPA; inside ``small_batch_kernels(row_invariant=True)``, a batch-1 verify's queries one at a time.
+
+    Query row ``i`` of ``rows`` new positions sees the cache's first ``kv − rows + i + 1`` slots, exactly what
+    the one-token step at that position sees, through the same call (one query, no mask): the same sums.
+    Only at batch 1, where our cache has no holes and the mask is purely causal (``speculative._CachedModel``).
+    """
+    rows, kv = query.shape[2], key.shape[2]
+    if not (_row_invariant_applies(query) and query.shape[0] == 1 and 1 < rows < kv):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kwargs = {**kwargs, "is_causal": False}
+    outputs = []
+    for i in range(rows):
+        seen = kv - rows + i + 1
+        out, _ = sdpa_attention_forward(module, query[:, :, i: i + 1].contiguous(), key[:, :, :seen],
+                                        value[:, :, :seen], None, **kwargs)
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), None
+
+
+AttentionInterface.register(ROWWISE_ATTENTION, _rowwise_sdpa)
+AttentionMaskInterface.register(ROWWISE_ATTENTION, sdpa_mask)
+
+
+def prepare(model: torch.nn.Module, row_invariant: bool = False) -> torch.nn.Module:
+    """Route ``model``'s linears through ``_forward`` (idempotent); they behave as before outside the context.
+
+    ``row_invariant``: an SDPA model also gets ``_rowwise_sdpa``, the same SDPA outside the context (a target
+    prepared for our loops still decodes as before in HF ``generate``). Other attention implementations keep
+    theirs, and their verify rows may round differently in bf16.
+    """
     for module in model.modules():
         if type(module) is torch.nn.Linear and getattr(module.forward, "__func__", None) is not _forward:
             module.forward = types.MethodType(_forward, module)
+    config = getattr(model, "config", None)
+    if row_invariant and getattr(config, "_attn_implementation", None) == "sdpa":
+        model.set_attn_implementation(ROWWISE_ATTENTION)
     return model
 
 
 @contextlib.contextmanager
-def small_batch_kernels():
-    token = _enabled.set(True)
+def small_batch_kernels(row_invariant: bool = False):
+    """Our decoding loops' kernels; ``row_invariant``: also the bf16 rules above (the target's forwards)."""
+    token, row_token = _enabled.set(True), _row_invariant.set(row_invariant)
     try:
         yield
     finally:
+        _row_invariant.reset(row_token)
         _enabled.reset(token)

@@ -226,10 +226,14 @@ class _CachedModel:
     attention mask hides (RoPE positions come from ``lengths``, not from slot indices); slots no row needs
     are cropped off the end, and holes are squeezed out once they fill half the cache. With one row there
     are never holes, so no mask is built and the forward is the plain cached one.
+
+    ``row_invariant`` (the target's cache, never the draft's): a bf16 forward of several tokens gives each
+    position bit for bit the logits of one-token steps (``kernels``), so bf16 greedy decoding is lossless.
     """
 
-    def __init__(self, model, batch: int = 1):
-        self.model = kernels.prepare(model)
+    def __init__(self, model, batch: int = 1, row_invariant: bool = False):
+        self.model = kernels.prepare(model, row_invariant)
+        self.row_invariant = row_invariant
         self.cache = growing_cache(model.config)
         self.cache_kwarg = cache_kwarg(model)
         forward = getattr(model, "inner", model).forward
@@ -268,7 +272,7 @@ class _CachedModel:
             if self.keeps_logits:
                 # Per-row positions (B, 1): a contiguous gather, so the head is one plain matmul.
                 extra["logits_to_keep"] = torch.tensor([[len(r) - 1] for r in rows], device=self.model.device)
-        with kernels.small_batch_kernels():
+        with kernels.small_batch_kernels(self.row_invariant):
             out = self.model(input_ids=ids.to(self.model.device), attention_mask=mask,
                              position_ids=positions.to(self.model.device), use_cache=True,
                              **{self.cache_kwarg: self.cache}, **extra)
@@ -406,11 +410,46 @@ class SpeculativeGenerator:
         tokens = [list(p) for p in prompts]
         produced, gammas = [0] * batch, [self.gamma] * batch
         active = list(range(batch))  # original row index of each batch slot
-        target, draft = _CachedModel(self.target, batch), _CachedModel(self.draft, batch)
+        target, draft = _CachedModel(self.target, batch, row_invariant=True), _CachedModel(self.draft, batch)
         start = time.perf_counter()
-        # Prefill all but the last prompt token; each step feeds the last emitted token first.
-        target.feed([t[:-1] for t in tokens])
+
+        def emit(s: int, r: int, new: list[int], emitted: list[list[int]], still: list[int]) -> None:
+            """Row ``r`` (batch slot ``s``) gets ``new``, cut at its stop; it stays in ``still`` unless done."""
+            new, done = _finish(tokens[r][len(prompts[r]):], new, eos, stops, max_new_tokens - produced[r])
+            tokens[r] += new
+            produced[r] += len(new)
+            emitted[r] = new
+            if "ttft_s" not in stats[r]:
+                stats[r]["ttft_s"] = time.perf_counter() - start
+            if done:
+                seconds = time.perf_counter() - start
+                stats[r].update(new_tokens=produced[r], seconds=seconds, tokens_per_s=produced[r] / seconds,
+                                tau=produced[r] / max(stats[r]["target_calls"], 1))
+            else:
+                still.append(s)
+
+        def leave(still: list[int]) -> None:
+            nonlocal active
+            if not still:
+                active = []
+            elif len(still) < len(active):
+                target.select(still)
+                draft.select(still)
+                active = [active[s] for s in still]
+            else:
+                target._trim()
+
+        # The target's prefill takes the whole prompt and emits the first token, as target-only decoding does:
+        # the same forward, so in bf16 too the first token and the prompt's cache are target-only's bit for bit
+        # (``kernels``' row-invariance covers the verify forwards after it). The draft catches up on its own.
         draft.feed([t[:-1] for t in tokens])
+        first = sample_tokens(target.feed([list(t) for t in tokens], last_only=True), params, generator)
+        emitted, still = [[] for _ in range(batch)], []
+        for s, r in enumerate(active):
+            stats[r]["target_calls"] += 1
+            emit(s, r, [first[s]], emitted, still)
+        leave(still)
+        yield emitted
         while active:
             blocks = [min(gammas[r], max(max_new_tokens - produced[r] - 1, 0)) for r in active]
             for slot, r in enumerate(active):
@@ -445,8 +484,7 @@ class SpeculativeGenerator:
                     if self.schedule == "confidence" and confident < self.confidence:
                         proposing[s] = False
             logits = target.feed([[tokens[r][-1]] + proposals[s] for s, r in enumerate(active)])
-            emitted = [[] for _ in range(batch)]
-            still = []
+            emitted, still = [[] for _ in range(batch)], []
             for s, r in enumerate(active):
                 proposal = proposals[s]
                 stats[r]["target_calls"] += 1
@@ -467,26 +505,8 @@ class SpeculativeGenerator:
                 stats[r]["drafted"].append(len(proposal))
                 if self.schedule == "heuristic":  # HF assisted generation's schedule
                     gammas[r] = min(self.max_gamma, gammas[r] + 2) if n == len(proposal) else max(1, gammas[r] - 1)
-                new, done = _finish(tokens[r][len(prompts[r]):], new, eos, stops, max_new_tokens - produced[r])
-                tokens[r] += new
-                produced[r] += len(new)
-                emitted[r] = new
-                if "ttft_s" not in stats[r]:
-                    stats[r]["ttft_s"] = time.perf_counter() - start
-                if done:
-                    seconds = time.perf_counter() - start
-                    stats[r].update(new_tokens=produced[r], seconds=seconds, tokens_per_s=produced[r] / seconds,
-                                    tau=produced[r] / max(stats[r]["target_calls"], 1))
-                else:
-                    still.append(s)
-            if not still:
-                active = []
-            elif len(still) < len(active):
-                target.select(still)
-                draft.select(still)
-                active = [active[s] for s in still]
-            else:
-                target._trim()
+                emit(s, r, new, emitted, still)
+            leave(still)
             yield emitted
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int = 128, eos_token_id: int | list[int] | None = None,
@@ -619,7 +639,7 @@ def _generate_stream(target, batches, max_active_rows, max_new_tokens, eos_token
             started[index] = time.perf_counter()
             widest = max(widest, len(prompts))
             eos, stops = _stop_rule(prompts, eos_token_id, stop_sequences)
-            joining = _CachedModel(target.eval(), len(prompts))
+            joining = _CachedModel(target.eval(), len(prompts), row_invariant=True)
             outputs[index] = [GenerationOutput([], {"target_calls": 0, "tau": 1.0}) for _ in prompts]
             unfinished[index] = len(prompts)
             if record_prompt:

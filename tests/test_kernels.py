@@ -57,3 +57,54 @@ def test_greedy_decoding_on_the_fast_path_matches_hf_generate(monkeypatch):
         assert target_only_generate(target, prompt, max_new_tokens=20).tokens == hf
         for gamma in (1, 3, 5):
             assert SpeculativeGenerator(target, draft, gamma=gamma).generate(prompt, 20).tokens == hf
+
+
+def _bf16_llama(seed: int):
+    """A bf16 Llama wide enough (576, as SmolLM2) that oneDNN's one-row GEMV and multi-query SDPA round
+    differently from the multi-row GEMM and one-query SDPA: without the row-invariant rules its verify rows
+    differ from its one-token steps (checked when this test was written)."""
+    from conftest import make_llama
+
+    return make_llama(512, hidden=576, layers=2, heads=9, kv_heads=3, seed=seed).to(torch.bfloat16)
+
+
+def test_bf16_verify_rows_equal_one_token_steps_bit_for_bit():
+    from specdistill.speculative import _CachedModel
+
+    target = _bf16_llama(0)
+    tokens = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    stepped = _CachedModel(target, row_invariant=True)
+    stepped.feed([tokens[:30]])
+    steps = [stepped.feed([[t]])[0][0] for t in tokens[30:]]
+    for width in (2, 3, 6, 10):
+        verify = _CachedModel(target, row_invariant=True)
+        verify.feed([tokens[:30]])
+        rows = verify.feed([tokens[30: 30 + width]])[0]
+        for i in range(width):
+            assert torch.equal(rows[i], steps[i]), f"verify of {width} tokens, row {i}"
+
+
+def test_row_invariant_target_decodes_as_before_outside_our_loops():
+    target = _bf16_llama(0)
+    prompt = torch.randint(3, 512, (1, 12), generator=torch.Generator().manual_seed(1))
+    before = target.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    kernels.prepare(target, row_invariant=True)
+    assert target.config._attn_implementation == kernels.ROWWISE_ATTENTION
+    after = target.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(before, after)
+
+
+def test_bf16_speculative_greedy_is_token_identical_to_bf16_target_only():
+    """Lossless in bf16, not only fp32: every γ, a draft that is mostly rejected and one that is always accepted
+    (the target itself, so every verify row is used)."""
+    from specdistill.speculative import SpeculativeGenerator, target_only_generate
+
+    target, draft = _bf16_llama(0), _bf16_llama(1)
+    for seed in range(2):
+        prompt = torch.randint(3, 512, (6 + 5 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        reference = target_only_generate(target, prompt, max_new_tokens=24).tokens
+        assert len(reference) == 24
+        for gamma in (1, 3, 5):
+            assert SpeculativeGenerator(target, draft, gamma=gamma).generate(prompt, 24).tokens == reference
+        same = SpeculativeGenerator(target, target, gamma=4).generate(prompt, 24)
+        assert same.tokens == reference and same.stats["tau"] > 3.0

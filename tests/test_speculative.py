@@ -96,7 +96,8 @@ def test_accept_all_and_accept_none(pair):
     prompt = [1, 2, 3]
     same = SpeculativeGenerator(target, target, gamma=4).generate(prompt, 20)
     assert same.stats["accepted"][:-1] == same.stats["drafted"][:-1]
-    assert same.stats["tau"] > 4.0
+    # The prefill emits the first token (as target-only's does), then four blocks of γ + 1 = 5: 20 tokens, 5 calls.
+    assert same.stats["target_calls"] == 5 and same.stats["tau"] == 4.0
     none = SpeculativeGenerator(target, RolledDraft(target), gamma=4).generate(prompt, 20)
     assert all(n == 0 for n in none.stats["accepted"]) and none.stats["tau"] == 1.0
     assert none.tokens == target_only_generate(target, prompt, 20).tokens
