@@ -32,8 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop", action="append", default=[],
                         help="stop once the text contains this string (repeatable); the output ends before it")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="float32 is exact; in bfloat16 the target's own argmax can flip between a multi-token "
-                             "verify and 1-token steps, so greedy identity is not guaranteed (docs/results.md)")
+                        help="both exact: in bfloat16 the target's verify rows are computed bit for bit as its one-token "
+                             "steps (specdistill/kernels.py); faster than float32 on CPUs with AVX512-BF16, not on all "
+                             "AMX ones (scripts/bench_decode.py --dtype both says which, docs/results.md)")
     parser.add_argument("--full-draft-vocab", action="store_true",
                         help="decode with the draft's full LM head, ignoring its draft_vocab.json")
     parser.add_argument("--compare", action="store_true", help="also run target-only decoding and report the ratio")
