@@ -98,7 +98,8 @@ def _rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
     Only at batch 1, where our cache has no holes and the mask is purely causal (``speculative._CachedModel``).
     """
     rows, kv = query.shape[2], key.shape[2]
-    if not (_row_invariant_applies(query) and query.shape[0] == 1 and 1 < rows < kv):
+    if not (_row_invariant_applies(query) and query.shape[0] == 1 and 1 < rows < kv
+            and getattr(module, "sliding_window", None) is None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs = {**kwargs, "is_causal": False}
     outputs = []
@@ -118,14 +119,16 @@ def prepare(model: torch.nn.Module, row_invariant: bool = False) -> torch.nn.Mod
     """Route ``model``'s linears through ``_forward`` (idempotent); they behave as before outside the context.
 
     ``row_invariant``: an SDPA model also gets ``_rowwise_sdpa``, the same SDPA outside the context (a target
-    prepared for our loops still decodes as before in HF ``generate``). Other attention implementations keep
-    theirs, and their verify rows may round differently in bf16.
+    prepared for our loops still decodes as before in HF ``generate``). Other attention implementations, and
+    sliding-window models, keep theirs: their bf16 verify rows may round differently (fp32 stays exact).
     """
     for module in model.modules():
         if type(module) is torch.nn.Linear and getattr(module.forward, "__func__", None) is not _forward:
             module.forward = types.MethodType(_forward, module)
     config = getattr(model, "config", None)
-    if row_invariant and getattr(config, "_attn_implementation", None) == "sdpa":
+    # A sliding window makes the mask more than causal, and the rowwise path drops the mask: keep plain SDPA.
+    windowed = bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True)
+    if row_invariant and getattr(config, "_attn_implementation", None) == "sdpa" and not windowed:
         model.set_attn_implementation(ROWWISE_ATTENTION)
     return model
 

@@ -108,3 +108,13 @@ def test_bf16_speculative_greedy_is_token_identical_to_bf16_target_only():
             assert SpeculativeGenerator(target, draft, gamma=gamma).generate(prompt, 24).tokens == reference
         same = SpeculativeGenerator(target, target, gamma=4).generate(prompt, 24)
         assert same.tokens == reference and same.stats["tau"] > 3.0
+
+
+def test_a_sliding_window_target_keeps_plain_sdpa():
+    """The rowwise path drops the mask, which is only right for a purely causal one."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    model = kernels.prepare(MistralForCausalLM(config).eval(), row_invariant=True)
+    assert model.config._attn_implementation == "sdpa"
