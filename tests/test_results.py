@@ -134,3 +134,14 @@ def test_write_keeps_rows_and_points_of_folders_not_on_this_machine(tmp_path, mo
 
     assert results.main(["runs", "--write", str(page)]) == 0
     assert page.read_text() == text  # idempotent: carried rows are not carried twice
+
+
+def test_bench_section_adds_the_fastest_target_only_column_only_where_rows_have_it():
+    row = {"method": "bf16 ours target-only", "median_tokens_per_s": 18.2, "vs_target_only": 1.0, "vs_hf": 0.98,
+           "greedy_identical": True}
+    old = {"title": "old", "command": "c", "hf_baseline": "HF assisted (γ=1)", "rows": [row]}
+    new = {**old, "title": "new", "rows": [{**row, "vs_best_target_only": 0.91}]}
+    lines = results.bench_section([(Path("runs/old"), old), (Path("runs/new"), new)])
+    assert "| bf16 ours target-only | 18.2 | 1.00× | 0.98× | yes |" in lines
+    assert "| bf16 ours target-only | 18.2 | 1.00× | 0.98× | 0.91× | yes |" in lines
+    assert sum("vs fastest target-only" in line for line in lines) == 1
