@@ -95,11 +95,11 @@ def _rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
 
     Query row ``i`` of ``rows`` new positions sees the cache's first ``kv − rows + i + 1`` slots, exactly what
     the one-token step at that position sees, through the same call (one query, no mask): the same sums.
-    Only at batch 1, where our cache has no holes and the mask is purely causal (``speculative._CachedModel``).
+    Only at batch 1, where our cache has no holes and the mask is purely causal (``speculative._CachedModel``);
+    ``prepare`` never gives it to a sliding-window model, whose mask is more than causal.
     """
     rows, kv = query.shape[2], key.shape[2]
-    if not (_row_invariant_applies(query) and query.shape[0] == 1 and 1 < rows < kv
-            and getattr(module, "sliding_window", None) is None):
+    if not (_row_invariant_applies(query) and query.shape[0] == 1 and 1 < rows < kv):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs = {**kwargs, "is_causal": False}
     outputs = []
