@@ -29,6 +29,12 @@ time; else batches join a running pool of up to that many rows as finished rows 
 
     python scripts/bench_generate.py --compare-batches 32 --compare-active-rows 0,64,128 --prompts 256 \
         --eos --max-new-tokens 128 --repeats 1
+
+``--compare-attention-chunks`` does it for each ``speculative.POOL_ATTENTION_CHUNK`` (rows per attention call in a
+pool's decode step, each call over only its rows' slots; 0: one call over the whole cache, holes included):
+
+    python scripts/bench_generate.py --compare-batches 32 --compare-active-rows 128 --compare-attention-chunks \
+        0,8,16,32 --prompts 192 --eos --max-new-tokens 128 --repeats 2
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specdistill import kernels
+from specdistill import kernels, speculative
 from specdistill.config import record_run
 from specdistill.data import eos_token_ids, load_sharegpt, sharegpt_prompts
 from specdistill.models import load_model, load_tokenizer
@@ -80,6 +86,10 @@ def main() -> int:
     parser.add_argument("--compare-active-rows", default="",
                         help="--compare-batches: generate.max_active_rows values to time at its first batch size, "
                              "e.g. '0,64,128'")
+    parser.add_argument("--compare-attention-chunks", default="",
+                        help="--compare-batches: speculative.POOL_ATTENTION_CHUNK values (rows per attention call "
+                             "in a decode step; 0 = one call over the whole cache) to time at its first batch size "
+                             "and the first --compare-active-rows value (default 128), e.g. '0,16'")
     parser.add_argument("--out", default=None, help="folder for bench_generate.json")
     args = parser.parse_args()
     args.dtype = resolve_dtype(args.dtype)  # the report names the dtype that ran
@@ -156,14 +166,20 @@ def compare_batches(args) -> int:
     sizes = [int(b) for b in args.compare_batches.split(",")]
     rules = [r.strip() for r in args.compare_mid_rows.split(";") if r.strip()]
     active = [int(a) for a in args.compare_active_rows.split(",") if a.strip()]
-    # (label, batch size, kernels.MID_ROWS while it runs, max_active_rows)
+    chunks = [int(c) for c in args.compare_attention_chunks.split(",") if c.strip()]
+    chunk = speculative.POOL_ATTENTION_CHUNK
+    # (label, batch size, kernels.MID_ROWS while it runs, max_active_rows, POOL_ATTENTION_CHUNK)
     if rules:
-        variants = [(f"batch {sizes[0]}, mid rows {rule}", sizes[0], parse_rows(rule), 0) for rule in rules]
+        variants = [(f"batch {sizes[0]}, mid rows {rule}", sizes[0], parse_rows(rule), 0, chunk) for rule in rules]
+    elif chunks:
+        pool = active[0] if active else 128
+        variants = [(f"batch {sizes[0]}, pool {pool}, attention chunk {c}", sizes[0], kernels.MID_ROWS, pool, c)
+                    for c in chunks]
     elif active:
-        variants = [(f"batch {sizes[0]}, active rows {rows or sizes[0]}", sizes[0], kernels.MID_ROWS, rows)
+        variants = [(f"batch {sizes[0]}, active rows {rows or sizes[0]}", sizes[0], kernels.MID_ROWS, rows, chunk)
                     for rows in active]
     else:
-        variants = [(f"batch {size}", size, kernels.MID_ROWS, 0) for size in sizes]
+        variants = [(f"batch {size}", size, kernels.MID_ROWS, 0, chunk) for size in sizes]
     tokenizer = load_tokenizer(args.target)
     model = load_model(args.target, args.dtype)
     prompts = load_prompts(tokenizer, args.prompts or max(sizes), args.max_prompt_tokens)
@@ -173,11 +189,11 @@ def compare_batches(args) -> int:
     target_only_generate_batch(model, prompts[: min(sizes)], 4, eos_token_id=None, seed=0,
                                temperature=args.temperature, top_p=args.top_p, record_top_k=args.record_top_k)
     rates = {label: [] for label, *_ in variants}
-    default_rows = kernels.MID_ROWS
+    default_rows, default_chunk = kernels.MID_ROWS, speculative.POOL_ATTENTION_CHUNK
     try:
         for _ in range(args.repeats):  # interleaved, so drift hits all variants alike
-            for label, size, mid_rows, active_rows in variants:
-                kernels.MID_ROWS = mid_rows
+            for label, size, mid_rows, active_rows, chunk in variants:
+                kernels.MID_ROWS, speculative.POOL_ATTENTION_CHUNK = mid_rows, chunk
                 start, made = time.perf_counter(), 0
                 batches = [(i, prompts[i: i + size]) for i in range(0, len(prompts), size)]
                 random.Random(0).shuffle(batches)  # as data.generate_responses orders them
@@ -187,7 +203,7 @@ def compare_batches(args) -> int:
                     made += sum(len(out.tokens) for out in outputs)
                 rates[label].append(made / (time.perf_counter() - start))
     finally:
-        kernels.MID_ROWS = default_rows
+        kernels.MID_ROWS, speculative.POOL_ATTENTION_CHUNK = default_rows, default_chunk
     medians = {label: statistics.median(r) for label, r in rates.items()}
     first = variants[0][0]
     result = {"prompts": len(prompts), "max_new_tokens": new, "eos": args.eos, "dtype": args.dtype,

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specdistill import speculative
+from specdistill import data, speculative
 from specdistill.config import ConfigError, GenerateConfig
 from specdistill.data import (
     DataError,
@@ -286,6 +286,9 @@ def test_generation_stores_the_targets_hidden_state_behind_each_reply_token(tmp_
     stored = generate_responses(tiny_target, tiny_tokenizer, prompts, tmp_path / "hidden", teacher_hidden_layer=1,
                                 **kwargs)
     rows = generated_to_teacher_rows(stored, seq_len=10_000, top_k=4, hidden=True)
+    # Nothing is cut here, so the columns passed through as stored: the same rows the row-by-row packing makes.
+    assert rows.features == data._pack_rowwise(stored, 10_000, 4, False, True).features
+    assert rows.to_list() == data._pack_rowwise(stored, 10_000, 4, False, True).to_list()
     captured = {}
     hook = tiny_target.model.layers[0].register_forward_hook(lambda m, a, out: captured.__setitem__("h", out))
     try:

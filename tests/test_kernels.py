@@ -118,3 +118,30 @@ def test_a_sliding_window_target_keeps_plain_sdpa():
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
     model = kernels.prepare(MistralForCausalLM(config).eval(), row_invariant=True)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_windowed_pool_attention_equals_full_width_attention():
+    """A pool's decode step, chunk by chunk over each chunk's slots only, gives what one SDPA call over the whole
+    (holey) cache gives: the slots left out are masked ones (right-aligned rows; a row with a hole in the middle,
+    a fully visible row and chunks of 1–5 rows included)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    rows, heads, kv_heads, width, dim = 7, 4, 2, 19, 8
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = heads // kv_heads, True
+    query = torch.randn(rows, heads, 1, dim)
+    key, value = torch.randn(rows, kv_heads, width, dim), torch.randn(rows, kv_heads, width, dim)
+    lengths = [3, 4, 19, 12, 6, 6, 1]
+    mask = torch.zeros(rows, 1, 1, width, dtype=torch.bool)
+    for r, n in enumerate(lengths):
+        mask[r, ..., width - n:] = True
+    mask[3, ..., 10] = False  # a hole inside a row's span
+    reference, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim ** -0.5)
+    for chunk in (1, 2, 3, 5):
+        got, _ = kernels._windowed_sdpa(module, query, key, value, mask, chunk, scaling=dim ** -0.5)
+        torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-6)
+    with kernels.pool_attention(2):  # the registered attention function takes the windowed path only inside
+        got, _ = kernels._rowwise_sdpa(module, query, key, value, mask, scaling=dim ** -0.5)
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-6)
+    assert kernels._pool_chunk.get() == 0  # the context is left as it was found

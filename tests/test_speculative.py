@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import make_llama
 
-from specdistill import speculative
+from specdistill import kernels, speculative
 from specdistill.models import ReducedHeadDraft, load_draft, size_report
 from specdistill.speculative import (
     SamplingParams,
@@ -191,8 +191,14 @@ def test_stream_pool_equals_each_batch_alone(pair, monkeypatch, sampling, eos):
         absorb(self, other)
 
     monkeypatch.setattr(speculative._CachedModel, "absorb", counting_absorb)
+    windows = []
+    windowed = kernels._windowed_sdpa
+    monkeypatch.setattr(kernels, "_windowed_sdpa", lambda *a, **k: windows.append(a[2].shape[2]) or windowed(*a, **k))
+    monkeypatch.setattr(speculative, "POOL_ATTENTION_CHUNK", 1)  # each pool row attends over its own slots only
     pooled = dict(target_generate_stream(target, iter(batches), max_active_rows=4, **kwargs))
     assert compactions and max(m.compactions for m in compactions) > 0  # joins and compaction both happened
+    assert windows  # the pool's steps went through the windowed attention
+    monkeypatch.setattr(speculative, "POOL_ATTENTION_CHUNK", 0)
     alone = dict(target_generate_stream(target, iter(batches), max_active_rows=1, **kwargs))
     assert sorted(pooled) == sorted(alone) == list(range(len(batches)))
     lengths = set()
