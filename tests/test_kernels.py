@@ -17,11 +17,12 @@ def test_small_batch_linear_matches_f_linear_for_each_row_count_and_shape():
             torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
-def test_prepared_linear_changes_kernels_only_inside_the_context_without_grad():
+def test_prepared_linear_changes_kernels_only_inside_the_context_without_grad(monkeypatch):
     torch.manual_seed(0)
     head = torch.nn.Linear(64, kernels.HEAD_WEIGHT // 64 + 1, bias=False)  # head-sized: the fast path applies
     x = torch.randn(1, 2, 64)
     reference = F.linear(x, head.weight)
+    monkeypatch.setitem(kernels._measured, (tuple(head.weight.shape), 2), True)  # as if W·xᵀ had timed faster
     kernels.prepare(kernels.prepare(head))  # idempotent
     with torch.no_grad():
         assert torch.equal(head(x), reference)  # outside the context: F.linear, bit for bit
@@ -145,3 +146,21 @@ def test_windowed_pool_attention_equals_full_width_attention():
         got, _ = kernels._rowwise_sdpa(module, query, key, value, mask, scaling=dim ** -0.5)
     torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-6)
     assert kernels._pool_chunk.get() == 0  # the context is left as it was found
+
+
+def test_small_batch_path_is_taken_only_where_it_timed_faster_on_this_machine(monkeypatch):
+    """The static rule only nominates a shape; the first call times both kernels, and the choice is remembered."""
+    torch.manual_seed(0)
+    head = kernels.prepare(torch.nn.Linear(64, kernels.HEAD_WEIGHT // 64 + 1, bias=False))
+    x = torch.randn(1, 3, 64)
+    monkeypatch.setattr(kernels, "_measured", {})
+    with torch.no_grad(), kernels.small_batch_kernels():
+        head(x)
+        decision = kernels._measured[(tuple(head.weight.shape), 3)]
+        assert isinstance(decision, bool) and len(kernels._measured) == 1
+        kernels._measured[(tuple(head.weight.shape), 3)] = False  # F.linear timed faster: F.linear, bit for bit
+        assert torch.equal(head(x), F.linear(x, head.weight))
+        kernels._measured[(tuple(head.weight.shape), 3)] = True
+        assert torch.equal(head(x), kernels.small_batch_linear(x, head.weight))
+        head(torch.randn(1, 600, 64))  # a prefill: outside the rule, nothing is timed
+    assert len(kernels._measured) == 1
