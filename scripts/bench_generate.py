@@ -167,19 +167,20 @@ def compare_batches(args) -> int:
     rules = [r.strip() for r in args.compare_mid_rows.split(";") if r.strip()]
     active = [int(a) for a in args.compare_active_rows.split(",") if a.strip()]
     chunks = [int(c) for c in args.compare_attention_chunks.split(",") if c.strip()]
-    chunk = speculative.POOL_ATTENTION_CHUNK
+    default_rows, default_chunk = kernels.MID_ROWS, speculative.POOL_ATTENTION_CHUNK
     # (label, batch size, kernels.MID_ROWS while it runs, max_active_rows, POOL_ATTENTION_CHUNK)
     if rules:
-        variants = [(f"batch {sizes[0]}, mid rows {rule}", sizes[0], parse_rows(rule), 0, chunk) for rule in rules]
+        variants = [(f"batch {sizes[0]}, mid rows {rule}", sizes[0], parse_rows(rule), 0, default_chunk)
+                    for rule in rules]
     elif chunks:
         pool = active[0] if active else 128
         variants = [(f"batch {sizes[0]}, pool {pool}, attention chunk {c}", sizes[0], kernels.MID_ROWS, pool, c)
                     for c in chunks]
     elif active:
-        variants = [(f"batch {sizes[0]}, active rows {rows or sizes[0]}", sizes[0], kernels.MID_ROWS, rows, chunk)
-                    for rows in active]
+        variants = [(f"batch {sizes[0]}, active rows {rows or sizes[0]}", sizes[0], kernels.MID_ROWS, rows,
+                     default_chunk) for rows in active]
     else:
-        variants = [(f"batch {size}", size, kernels.MID_ROWS, 0, chunk) for size in sizes]
+        variants = [(f"batch {size}", size, kernels.MID_ROWS, 0, default_chunk) for size in sizes]
     tokenizer = load_tokenizer(args.target)
     model = load_model(args.target, args.dtype)
     prompts = load_prompts(tokenizer, args.prompts or max(sizes), args.max_prompt_tokens)
@@ -189,7 +190,6 @@ def compare_batches(args) -> int:
     target_only_generate_batch(model, prompts[: min(sizes)], 4, eos_token_id=None, seed=0,
                                temperature=args.temperature, top_p=args.top_p, record_top_k=args.record_top_k)
     rates = {label: [] for label, *_ in variants}
-    default_rows, default_chunk = kernels.MID_ROWS, speculative.POOL_ATTENTION_CHUNK
     try:
         for _ in range(args.repeats):  # interleaved, so drift hits all variants alike
             for label, size, mid_rows, active_rows, chunk in variants:

@@ -686,9 +686,11 @@ def _generate_stream(target, batches, max_active_rows, max_new_tokens, eos_token
             return
         top = None
         if record_top_k:
-            # One top-k pass serves the stored teacher (T=1 log-probs) and the sampler's nucleus candidates.
+            # One top-k pass serves the stored teacher (T=1 log-probs) and, when the sampler searches a top-p
+            # nucleus, its candidates; greedy or top-k sampling needs no more than the teacher's k.
             scores = last.float()
-            top = scores.topk(min(max(record_top_k, NUCLEUS_CANDIDATES), scores.shape[-1]), dim=-1)
+            wide = NUCLEUS_CANDIDATES if not (params.greedy or params.top_k or params.top_p >= 1.0) else 0
+            top = scores.topk(min(max(record_top_k, wide), scores.shape[-1]), dim=-1)
             top_ids = top.indices[:, :record_top_k].contiguous()  # rows are kept: not views of the wider top
             top_logp = top.values[:, :record_top_k] - scores.logsumexp(-1, keepdim=True)
             for s, (index, r) in enumerate(rows):
